@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build a CPU virtual environment with one SGLang release, the real transfer
+# engines (Mooncake non-CUDA, NIXL/UCX) and this plugin installed editable.
+#
+#   scripts/setup_venv.sh <sglang-release> <venv-dir>
+#
+# SGLang hard-pins CUDA torch and GPU kernels, so it goes in with --no-deps and
+# the packages its imports need come from pinned files in requirements/.
+# The script fails if any nvidia-* wheel ends up installed.
+set -euo pipefail
+release=${1:?usage: setup_venv.sh <sglang-release> <venv-dir>}
+venv=${2:?usage: setup_venv.sh <sglang-release> <venv-dir>}
+root=$(cd "$(dirname "$0")/.." && pwd)
+req="$root/requirements"
+
+if [ ! -f "$req/sglang-$release.txt" ]; then
+  echo "setup: no pin file requirements/sglang-$release.txt; supported: $(ls "$req" | sed -n 's/^sglang-\(.*\)\.txt$/\1/p' | tr '\n' ' ')" >&2
+  exit 2
+fi
+
+# Mooncake's non-CUDA wheel links against these Debian libraries.
+missing=()
+for lib in libibverbs1 librdmacm1 libnuma1; do
+  dpkg -s "$lib" >/dev/null 2>&1 || missing+=("$lib")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "setup: missing Debian packages ${missing[*]} (install them as root)" >&2
+    exit 2
+  fi
+fi
+
+py=${PYTHON:-python3}
+# The marker file is written last: a half-built venv has none and is rebuilt.
+rm -rf "$venv"
+"$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+
+# CPU torch first, so nothing later pulls a CUDA build.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" --no-deps "sglang==$release"
+"${pip[@]}" -r "$req/cpu-imports.txt" -r "$req/sglang-$release.txt" -r "$req/test.txt"
+"${pip[@]}" --no-deps -r "$req/no-deps.txt"
+"${pip[@]}" --no-deps -e "$root"
+
+# Import-only torchvision stand-in (see its docstring); test environments only.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -rf "$site/torchvision"
+cp -r "$root/scripts/cpu_stubs/torchvision" "$site/torchvision"
+
+# No CUDA wheels on a CPU machine. (No pipe into grep -q: with pipefail,
+# SIGPIPE can turn a match into a failure.)
+listing=$("$venv/bin/python" -m pip list --format=freeze 2>/dev/null)
+if printf '%s\n' "$listing" | grep -i '^nvidia-' >/dev/null; then
+  echo "setup: CUDA wheels were installed into $venv:" >&2
+  printf '%s\n' "$listing" | grep -i '^nvidia-' >&2
+  exit 1
+fi
+
+echo "$release" > "$venv/.sglang-release"
+echo "setup: $venv ready (sglang $release)"

@@ -1,0 +1,1 @@
+"""One thin adapter per transfer engine; each subclasses the SGLang class and calls core."""

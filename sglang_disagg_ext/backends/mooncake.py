@@ -1,0 +1,212 @@
+"""``mooncake-ext``: SGLang's Mooncake manager with component-aware state sends (F1, F2).
+
+What changes against stock ``MooncakeKVManager``:
+
+* Each state component's prefill and decode page lists are aligned by trimming
+  the longer one on local copies (F1); the request's own lists are never
+  touched, so a retry or another destination rank sees what decode sent.
+* SWA, NSA and DSv4 components go through the generic page path (F2: stock
+  flat-layout code returns 0 for ``dsv4`` and decode reads stale pages).
+  Mamba components go to SGLang's own Mamba path, unchanged.
+* A failure in the state path ends the request as Failed on both sides: stock
+  ignores ``maybe_send_extra``'s result (or, on 0.5.10.post1, lets the
+  exception kill the transfer thread, leaving decode to time out). Here the
+  failure is recorded and the following ``send_aux`` for that request reports
+  failure, so the stock worker syncs Failed to every decode rank and the
+  manager keeps serving the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Sequence
+
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+from sglang_disagg_ext.core.state_plan import (
+    ComponentPlan,
+    Route,
+    StateTransferError,
+    check_paged_item_lens,
+    plan_state_transfer,
+)
+from sglang_disagg_ext.releases import ReleasePolicy, StateLayout
+
+logger = logging.getLogger("sglang_disagg_ext.mooncake")
+
+
+class MooncakeExtKVManager(MooncakeKVManager):
+    """Parts shared by both state layouts; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        # Set before super().__init__: the stock constructor starts the
+        # transfer threads, which may call send_aux.
+        self._failed_state_sends = set()
+        self._failed_state_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    # -- failure plumbing -------------------------------------------------
+    def _fail_state_send(self, req, reason: str) -> None:
+        logger.error("room %s: %s", req.room, reason)
+        self.record_failure(req.room, reason)
+        with self._failed_state_lock:
+            self._failed_state_sends.add((req.room, req.mooncake_session_id))
+
+    def send_aux(self, req, *args, **kwargs):
+        with self._failed_state_lock:
+            failed = (req.room, req.mooncake_session_id) in self._failed_state_sends
+            self._failed_state_sends.discard((req.room, req.mooncake_session_id))
+        if failed:
+            # Non-zero makes the stock worker mark the request Failed and sync
+            # that to decode, instead of Success with missing state.
+            return -1
+        return super().send_aux(req, *args, **kwargs)
+
+    def _send_state_guarded(self, req, send) -> int:
+        try:
+            rc = send()
+        except Exception as exc:  # noqa: BLE001 - any failure must end the request, not the thread
+            self._fail_state_send(req, f"state transfer failed: {exc}")
+            return -1
+        if rc != 0:
+            self._fail_state_send(req, f"state transfer failed: engine returned {rc}")
+        return rc
+
+    # -- one paged component ---------------------------------------------
+    def _send_paged_component(
+        self,
+        req,
+        plan: ComponentPlan,
+        src_data_ptrs: Sequence[int],
+        src_item_lens: Sequence[int],
+        dst_data_ptrs: Sequence[int],
+        dst_item_lens: Sequence[int],
+        target_rank_registration_info,
+        executor,
+    ) -> int:
+        info = target_rank_registration_info
+        if (
+            info is not None
+            and not self.is_mla_backend
+            and self.attn_tp_size != info.dst_attn_tp_size
+        ):
+            raise StateTransferError(
+                f"state component {plan.component} ({plan.kind}): different attention TP sizes "
+                f"(prefill {self.attn_tp_size}, decode {info.dst_attn_tp_size}) are not supported "
+                "for non-MLA paged state"
+            )
+        if not dst_data_ptrs:
+            raise StateTransferError(
+                f"state component {plan.component} ({plan.kind}): decode registered no buffers "
+                f"for it, prefill has {len(src_data_ptrs)}"
+            )
+        check_paged_item_lens(plan.component, plan.kind, src_item_lens, dst_item_lens)
+        if plan.trimmed:
+            logger.warning(plan.describe_trim())
+        return self._send_kvcache_generic(
+            mooncake_session_id=req.mooncake_session_id,
+            src_data_ptrs=list(src_data_ptrs),
+            dst_data_ptrs=list(dst_data_ptrs),
+            item_lens=list(src_item_lens),
+            prefill_data_indices=plan.src,
+            dst_data_indices=plan.dst,
+            executor=executor,
+        )
+
+
+class MooncakeExtKVManagerFlat(MooncakeExtKVManager):
+    """0.5.10.post1 / 0.5.11: one state component, ``kv_args.state_type: str``."""
+
+    def maybe_send_extra(
+        self,
+        req,
+        prefill_state_indices,
+        dst_state_data_ptrs,
+        executor,
+        target_rank_registration_info=None,
+    ):
+        def send() -> int:
+            kind = getattr(self.kv_args, "state_type", "none")
+            (plan,) = plan_state_transfer([kind], [prefill_state_indices], [req.dst_state_indices])
+            if plan.route is Route.SINGLE_SLOT:
+                return MooncakeKVManager.maybe_send_extra(
+                    self,
+                    req,
+                    prefill_state_indices,
+                    dst_state_data_ptrs,
+                    executor,
+                    target_rank_registration_info,
+                )
+            if plan.route is Route.SKIP:
+                return 0
+            info = target_rank_registration_info
+            return self._send_paged_component(
+                req,
+                plan,
+                self.kv_args.state_data_ptrs,
+                self.kv_args.state_item_lens,
+                dst_state_data_ptrs,
+                getattr(info, "dst_state_item_lens", None) or [],
+                info,
+                executor,
+            )
+
+        return self._send_state_guarded(req, send)
+
+
+class MooncakeExtKVManagerPerComponent(MooncakeExtKVManager):
+    """0.5.12 / 0.5.12.post1: ``kv_args.state_types`` list, list-of-lists buffers."""
+
+    def maybe_send_extra(
+        self,
+        req,
+        prefill_state_indices: List,
+        executor,
+        target_rank_registration_info=None,
+    ):
+        def send() -> int:
+            state_types = list(getattr(self.kv_args, "state_types", []) or [])
+            plans = plan_state_transfer(state_types, prefill_state_indices, req.dst_state_indices)
+            info = target_rank_registration_info
+            rc = 0
+            for plan in plans:
+                i = plan.component
+                if plan.route is Route.SKIP:
+                    continue
+                if plan.route is Route.SINGLE_SLOT:
+                    # SGLang's own Mamba path (including its TP-slice variant),
+                    # given only this component's indices.
+                    only_this = [None] * len(state_types)
+                    only_this[i] = prefill_state_indices[i]
+                    rc = MooncakeKVManager.maybe_send_extra(self, req, only_this, executor, info) or rc
+                    continue
+                rc = (
+                    self._send_paged_component(
+                        req,
+                        plan,
+                        self.kv_args.state_data_ptrs[i],
+                        self.kv_args.state_item_lens[i],
+                        _component(getattr(info, "dst_state_data_ptrs", None), i),
+                        _component(getattr(info, "dst_state_item_lens", None), i),
+                        info,
+                        executor,
+                    )
+                    or rc
+                )
+            return rc
+
+        return self._send_state_guarded(req, send)
+
+
+def _component(per_component: Optional[Sequence], i: int) -> list:
+    if not per_component or i >= len(per_component) or per_component[i] is None:
+        return []
+    return list(per_component[i])
+
+
+def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
+    """Names in ``sglang.srt.disaggregation.mooncake`` to route to the plugin."""
+    if policy.layout is StateLayout.FLAT:
+        return {"MooncakeKVManager": MooncakeExtKVManagerFlat}
+    return {"MooncakeKVManager": MooncakeExtKVManagerPerComponent}

@@ -1,0 +1,61 @@
+"""Command line: ``sglang-disagg-ext doctor|selftest``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _doctor(args) -> int:
+    from sglang_disagg_ext import doctor
+
+    report = doctor.diagnose()
+    if args.json:
+        keys = ("sglang_version", "supported", "fixes", "engines", "entry_point")
+        out = {k: report[k] for k in keys}
+        out["fixes"] = {f: {"live": v["live"], "active": v["active"]} for f, v in report["fixes"].items()}
+        out.update({k: v for k, v in report.items() if k not in keys})
+        print(json.dumps(out, indent=2))
+    else:
+        print(doctor.format_report(report))
+    return doctor.exit_code(report)
+
+
+def _selftest(args) -> int:
+    from sglang_disagg_ext import selftest
+
+    return selftest.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-disagg-ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="report SGLang release, per-fix status and engines")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_doctor)
+
+    p = sub.add_parser(
+        "selftest",
+        help="run the built-in transfer scenarios, stock vs -ext, on the real engines",
+    )
+    p.add_argument("--backend", choices=["mooncake", "nixl", "mori"], action="append",
+                   help="limit to these backends (repeatable); default: every engine available here")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    p.add_argument("--protocol", default="tcp",
+                   help="engine protocol for Mooncake (tcp, rdma); default tcp")
+    p.add_argument("--device", default="cpu", help="tensor device for pools (cpu, cuda); default cpu")
+    p.add_argument("--ib-device", default=None, help="RDMA device for Mooncake (with --protocol rdma)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
+    p.set_defaults(func=_selftest)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pure logic with no SGLang import: index alignment, head-slice math, wire packing."""

@@ -1,0 +1,132 @@
+"""``sglang-disagg-ext doctor``: can an ``-ext`` backend work in this environment?"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib import metadata
+from typing import Dict, Optional
+
+from sglang_disagg_ext import releases
+
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+ENTRY_POINT_NAME = "disagg_ext"
+DISTRIBUTION = "sglang-disagg-ext"
+
+# Module each transfer engine's SGLang backend imports first.
+ENGINE_MODULES = {"mooncake": "mooncake.engine", "nixl": "nixl._api", "mori": "mori.io"}
+
+
+def engine_importable(engine: str) -> bool:
+    try:
+        importlib.import_module(ENGINE_MODULES[engine])
+    except Exception:  # noqa: BLE001 - a broken native library is "not importable" too
+        return False
+    return True
+
+
+def entry_point_status(policy: releases.ReleasePolicy):
+    """(discovered, reason): whether SGLang's plugin loader will run this plugin."""
+    ours = [
+        ep
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if ep.name == ENTRY_POINT_NAME
+    ]
+    if not ours:
+        return False, f"no {ENTRY_POINT_GROUP} entry point named {ENTRY_POINT_NAME} is installed"
+    if not policy.has_plugin_framework:
+        return False, (
+            f"SGLang {policy.version} has no plugin framework; start servers with "
+            "`python -m sglang_disagg_ext.launch_server` (same arguments as sglang.launch_server)"
+        )
+    whitelist = os.environ.get("SGLANG_PLUGINS", "")
+    allowed = {x.strip() for x in whitelist.split(",") if x.strip()}
+    if allowed and ENTRY_POINT_NAME not in allowed:
+        return False, f"SGLANG_PLUGINS={whitelist!r} does not include {ENTRY_POINT_NAME}"
+    return True, "discovered by SGLang's plugin loader"
+
+
+def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
+    policy = policy or releases.current_policy()
+    engines = {name: engine_importable(name) for name in ENGINE_MODULES}
+    discovered, entry_reason = entry_point_status(policy)
+    fixes = {
+        fix: {
+            "live": policy.is_live(fix),
+            # The plugin installs its fixed code exactly where the bug is live.
+            "active": policy.support is releases.Support.ACTIVE and policy.is_live(fix),
+            "status": policy.fixes[fix].value,
+            "backend": releases.FIX_BACKEND[fix],
+        }
+        for fix in releases.FIXES
+    }
+    launcher_ok = policy.supported and not policy.has_plugin_framework
+    backends = {
+        ext: {
+            "engine": engines[base],
+            "ready": policy.supported and engines[base] and (discovered or launcher_ok),
+        }
+        for ext, base in releases.EXT_BACKENDS.items()
+    }
+    problems = []
+    if not policy.supported:
+        problems.append(
+            f"SGLang {policy.version or '(not installed)'} is not supported; supported: "
+            f"{releases.SUPPORTED_RANGE_TEXT}"
+        )
+    if policy.supported and not discovered and not launcher_ok:
+        problems.append(entry_reason)
+    if policy.supported and not any(engines.values()):
+        problems.append("no transfer engine (mooncake, nixl, mori) imports here")
+    return {
+        "sglang_version": policy.version,
+        "supported": policy.supported,
+        "support": policy.support.value,
+        "state_layout": policy.layout.value if policy.layout else None,
+        "fixes": fixes,
+        "engines": engines,
+        "entry_point": discovered,
+        "entry_point_detail": entry_reason,
+        "backends": backends,
+        "problems": problems,
+        "plugin_version": _plugin_version(),
+    }
+
+
+def _plugin_version() -> Optional[str]:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def exit_code(report: Dict) -> int:
+    """Non-zero when no ``-ext`` backend can work here."""
+    if report["problems"]:
+        return 1
+    return 0 if any(b["ready"] for b in report["backends"].values()) else 1
+
+
+def format_report(report: Dict) -> str:
+    yes_no = {True: "yes", False: "no"}
+    lines = [
+        f"SGLang:       {report['sglang_version'] or '(not installed)'} "
+        f"({report['support']}, state layout {report['state_layout'] or '-'})",
+        f"plugin:       sglang-disagg-ext {report['plugin_version'] or '(not installed)'}",
+        f"entry point:  {yes_no[report['entry_point']]} ({report['entry_point_detail']})",
+        "engines:      "
+        + ", ".join(f"{name} {yes_no[ok]}" for name, ok in report["engines"].items()),
+        "",
+        "fix  backend   in this release  plugin activates",
+    ]
+    for fix, info in report["fixes"].items():
+        lines.append(
+            f"{fix}   {info['backend']:<9} {info['status']:<16} {yes_no[info['active']]:<5} "
+            f"{releases.FIX_TITLES[fix]}"
+        )
+    lines.append("")
+    for ext, info in report["backends"].items():
+        lines.append(f"{ext:<13} {'ready' if info['ready'] else 'not ready'}")
+    for problem in report["problems"]:
+        lines.append(f"PROBLEM: {problem}")
+    return "\n".join(lines)

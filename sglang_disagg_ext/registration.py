@@ -1,0 +1,163 @@
+"""Teaches SGLang the ``-ext`` transfer-backend names. The plugin's entry point.
+
+How an ``-ext`` name works, end to end:
+
+1. ``load_plugin()`` (SGLang's ``sglang.srt.plugins`` entry point, or our
+   launcher on releases without a plugin framework) adds ``mooncake-ext``,
+   ``nixl-ext`` and ``mori-ext`` to the ``--disaggregation-transfer-backend``
+   choices and wraps ``ServerArgs.__post_init__``.
+2. When server arguments name an ``-ext`` backend, the wrapper rewrites the
+   value to its base name (``mooncake`` ...) *before* SGLang's own checks run,
+   exactly as SGLang 0.5.13+ rewrites its ``mooncake_tcp`` alias. Every place
+   SGLang compares the backend string or ``TransferBackend`` enum (staging
+   buffer, IB device, shared Mooncake engine start, ...) therefore takes the
+   base name's branch. The choice is recorded in ``SGLANG_DISAGG_EXT_BACKEND``
+   so every process SGLang starts afterwards inherits it.
+3. In each process where an ``-ext`` backend is selected, ``activate()`` puts the
+   plugin's classes into the SGLang backend package
+   (``sglang.srt.disaggregation.mooncake`` ...). ``get_kv_class`` imports its
+   classes from that package on every call, so every module that bound
+   ``get_kv_class`` or ``TransferBackend`` by name sees the route without a
+   list of importers to keep current.
+
+On a release where a fix is already upstream, or on a pass-through release
+(0.5.13 - 0.5.23), the classes stay SGLang's own; see ``releases.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from typing import Dict, Optional
+
+from sglang_disagg_ext import releases
+
+logger = logging.getLogger("sglang_disagg_ext")
+
+# Inherited by every process SGLang spawns after argument parsing.
+SELECTED_BACKEND_ENV = "SGLANG_DISAGG_EXT_BACKEND"
+
+# Base backend -> (SGLang package whose names get_kv_class imports,
+#                  plugin module that defines EXT_CLASSES for it).
+_BACKEND_MODULES = {
+    "mooncake": ("sglang.srt.disaggregation.mooncake", "sglang_disagg_ext.backends.mooncake"),
+    "nixl": ("sglang.srt.disaggregation.nixl", "sglang_disagg_ext.backends.nixl"),
+    "mori": ("sglang.srt.disaggregation.mori", "sglang_disagg_ext.backends.mori"),
+}
+
+# (package name, attribute) -> the stock object we replaced, for deactivate().
+_replaced: Dict[tuple, object] = {}
+_active_backend: Optional[str] = None
+
+
+def load_plugin() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group. Idempotent."""
+    register_backend_names()
+    _wrap_server_args_post_init()
+    selected = os.environ.get(SELECTED_BACKEND_ENV)
+    if selected:
+        activate(selected)
+
+
+def register_backend_names() -> None:
+    from sglang.srt import server_args
+
+    # add_disagg_transfer_backend_choices is list.extend in every release:
+    # pass a list, and only the names not yet there (plugins may load twice).
+    missing = [n for n in releases.EXT_BACKENDS if n not in server_args.DISAGG_TRANSFER_BACKEND_CHOICES]
+    if missing:
+        server_args.add_disagg_transfer_backend_choices(missing)
+
+
+def _wrap_server_args_post_init() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    original = ServerArgs.__post_init__
+    if getattr(original, "_sglang_disagg_ext", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        resolve_ext_backend(self)
+        return original(self, *args, **kwargs)
+
+    __post_init__._sglang_disagg_ext = True
+    __post_init__._sglang_disagg_ext_original = original
+    ServerArgs.__post_init__ = __post_init__
+
+
+def resolve_ext_backend(server_args) -> Optional[str]:
+    """Rewrite an ``-ext`` backend name to its base and activate the plugin.
+
+    Returns the ``-ext`` name that was selected, or ``None``. Raises
+    ``UnsupportedSGLangRelease`` (naming the supported range) when an ``-ext``
+    name is asked for on a release the plugin does not support.
+    """
+    name = getattr(server_args, "disaggregation_transfer_backend", None)
+    if name not in releases.EXT_BACKENDS:
+        return None
+    releases.current_policy().check_supported()
+    server_args.disaggregation_transfer_backend = releases.EXT_BACKENDS[name]
+    os.environ[SELECTED_BACKEND_ENV] = name
+    activate(name)
+    return name
+
+
+def activate(ext_name: str) -> None:
+    """Route ``ext_name``'s base backend to the plugin's classes in this process."""
+    global _active_backend
+    if ext_name not in releases.EXT_BACKENDS:
+        raise ValueError(
+            f"{SELECTED_BACKEND_ENV}={ext_name!r} is not an -ext backend; "
+            f"valid: {', '.join(releases.EXT_BACKENDS)}"
+        )
+    policy = releases.current_policy()
+    policy.check_supported()
+    if _active_backend == ext_name:
+        return
+    if _active_backend is not None:
+        deactivate()
+    base = releases.EXT_BACKENDS[ext_name]
+    routed = []
+    if policy.support is releases.Support.ACTIVE:
+        package_name, plugin_module = _BACKEND_MODULES[base]
+        ext_classes = importlib.import_module(plugin_module).ext_classes(policy)
+        package = importlib.import_module(package_name)
+        for attr, cls in ext_classes.items():
+            key = (package_name, attr)
+            _replaced.setdefault(key, getattr(package, attr))
+            setattr(package, attr, cls)
+            routed.append(attr)
+        if policy.is_live("F5"):
+            from sglang_disagg_ext.retract import install_retract_fixes
+
+            install_retract_fixes()
+            routed.append("retract/resume (F5)")
+    _active_backend = ext_name
+    logger.info(
+        "%s; %s -> %s",
+        policy.summary_line(),
+        ext_name,
+        ", ".join(routed) if routed else f"stock {base} classes (pass-through)",
+    )
+
+
+def deactivate() -> None:
+    """Undo ``activate()`` in this process (tests run stock and ext side by side)."""
+    global _active_backend
+    for (package_name, attr), original in list(_replaced.items()):
+        setattr(importlib.import_module(package_name), attr, original)
+    _replaced.clear()
+    try:
+        from sglang_disagg_ext.retract import uninstall_retract_fixes
+    except ImportError:
+        pass
+    else:
+        uninstall_retract_fixes()
+    _active_backend = None
+
+
+def active_backend() -> Optional[str]:
+    return _active_backend

@@ -1,0 +1,48 @@
+"""Release policy table, checked against facts read from each release's wheel."""
+
+import pytest
+
+from sglang_disagg_ext.releases import FixStatus, StateLayout, Support, UnsupportedSGLangRelease, policy_for
+
+L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
+
+# (release, support, layout, F1..F5) — from shared/notes/sglang-releases.md.
+EXPECTED = [
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, U, U)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, U, U)),
+    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
+    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
+    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
+    ("0.5.23", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("version,support,layout,fixes", EXPECTED)
+def test_policy_table(version, support, layout, fixes):
+    p = policy_for(version)
+    assert p.support is support
+    assert p.layout is layout
+    assert tuple(p.fixes[f] for f in ("F1", "F2", "F3", "F4", "F5")) == fixes
+    p.check_supported()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.24", "0.6.0", "0.5.23rc1", "garbage", None])
+def test_unsupported_release_error_names_the_range(version):
+    p = policy_for(version)
+    assert p.support is Support.UNSUPPORTED
+    with pytest.raises(UnsupportedSGLangRelease) as info:
+        p.check_supported()
+    message = str(info.value)
+    assert "0.5.10.post1" in message and "0.5.23" in message
+    assert str(version if version else "(not installed)") in message
+
+
+@pytest.mark.timeout(10)
+def test_plugin_framework_flag():
+    assert not policy_for("0.5.10.post1").has_plugin_framework
+    assert policy_for("0.5.11").has_plugin_framework
+    assert policy_for("0.5.23").has_plugin_framework
