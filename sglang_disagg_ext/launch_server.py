@@ -56,6 +56,8 @@ def check_routing(argv) -> int:
     from sglang.srt.server_args import prepare_server_args
 
     server_args = prepare_server_args(argv)
+    if hasattr(server_args, "resolve_once"):  # releases that resolve after parsing
+        server_args.resolve_once()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_child_report, args=(queue,))

@@ -5,7 +5,8 @@ How an ``-ext`` name works, end to end:
 1. ``load_plugin()`` (SGLang's ``sglang.srt.plugins`` entry point, or our
    launcher on releases without a plugin framework) adds ``mooncake-ext``,
    ``nixl-ext`` and ``mori-ext`` to the ``--disaggregation-transfer-backend``
-   choices and wraps ``ServerArgs.__post_init__``.
+   choices and wraps the ``ServerArgs`` method that resolves arguments
+   (``__post_init__``, or ``resolve_once`` on releases that have it).
 2. When server arguments name an ``-ext`` backend, the wrapper rewrites the
    value to its base name (``mooncake`` ...) *before* SGLang's own checks run,
    exactly as SGLang 0.5.13+ rewrites its ``mooncake_tcp`` alias. Every place
@@ -55,7 +56,7 @@ _active_backend: Optional[str] = None
 def load_plugin() -> None:
     """Entry point of the ``sglang.srt.plugins`` group. Idempotent."""
     register_backend_names()
-    _wrap_server_args_post_init()
+    _wrap_server_args_resolution()
     selected = os.environ.get(SELECTED_BACKEND_ENV)
     if selected:
         activate(selected)
@@ -71,21 +72,32 @@ def register_backend_names() -> None:
         server_args.add_disagg_transfer_backend_choices(missing)
 
 
-def _wrap_server_args_post_init() -> None:
+def _server_args_resolution_method(server_args_cls) -> str:
+    """The ServerArgs method that runs before SGLang reads the backend name.
+
+    Up to 0.5.12 the checks run in the dataclass ``__post_init__``. Later
+    releases seal the record and resolve it in ``resolve_once()`` (0.5.23; its
+    ``__post_init__`` is a no-op and, on a msgspec Struct, cannot be rebound).
+    Detected by feature, so releases in between need no table entry.
+    """
+    return "resolve_once" if hasattr(server_args_cls, "resolve_once") else "__post_init__"
+
+
+def _wrap_server_args_resolution() -> None:
     from sglang.srt.server_args import ServerArgs
 
-    original = ServerArgs.__post_init__
+    method = _server_args_resolution_method(ServerArgs)
+    original = getattr(ServerArgs, method)
     if getattr(original, "_sglang_disagg_ext", False):
         return
 
     @functools.wraps(original)
-    def __post_init__(self, *args, **kwargs):
+    def resolve_then_original(self, *args, **kwargs):
         resolve_ext_backend(self)
         return original(self, *args, **kwargs)
 
-    __post_init__._sglang_disagg_ext = True
-    __post_init__._sglang_disagg_ext_original = original
-    ServerArgs.__post_init__ = __post_init__
+    resolve_then_original._sglang_disagg_ext = True
+    setattr(ServerArgs, method, resolve_then_original)
 
 
 def resolve_ext_backend(server_args) -> Optional[str]:

@@ -1,0 +1,211 @@
+"""F5 figures: offload + restore of the NSA index-key buffer vs a plain tensor copy.
+
+A benchmark, not a test. For one retracted request it times
+
+* **ext**: ``retract.offload_index_k`` + ``retract.restore_index_k`` (the code the
+  fixed ``NSATokenToKVPool.get_cpu_copy`` / ``load_cpu_copy`` run for the index
+  keys: per layer, page-indexed gather to the host in chunks, then scatter back),
+* **plain**: ``copy_`` of the same number of bytes, per layer, from a contiguous
+  device tensor into a preallocated host tensor and back (the memcpy bound),
+
+interleaved (ext, plain, ext, plain, ...) and reports the medians and the
+throughput ratio ext/plain from the same run. It also measures the peak extra
+memory of one ext offload + restore: everything allocated beyond the host copy
+it returns (CUDA: ``torch.cuda.max_memory_allocated`` on the pool's device; CPU:
+the CPU allocator's events from ``torch.profiler`` with ``profile_memory``),
+next to the size of one chunk, which it should stay within.
+
+    python -m bench.offload                  # table for a few shapes (CPU)
+    python -m bench.offload --device cuda    # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from sglang_disagg_ext import retract
+from sglang_disagg_ext.core.page_chunks import page_chunk_rows, peak_chunk_bytes
+from sglang_disagg_ext.selftest_f5 import PAGE_SIZE, build_nsa_pool
+
+
+def _sync(device):
+    retract.synchronize_device(device)
+
+
+def _request_indices(num_pages: int, request_pages: int, scattered: bool, gen: torch.Generator, device) -> torch.Tensor:
+    """Token slots of one request: ``request_pages`` full pages (page 0 is SGLang's padding page)."""
+    if scattered:
+        pages = torch.randperm(num_pages, generator=gen)[:request_pages] + 1
+    else:
+        pages = torch.arange(1, request_pages + 1)
+    tokens = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
+    return tokens.to(device=device, dtype=torch.int32)  # req_to_token is int32
+
+
+def _cpu_peak_extra(fn, kept_bytes_of) -> int:
+    """Peak bytes the CPU allocator held during ``fn()`` beyond what ``fn`` returns and keeps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        ((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage),
+        key=lambda x: x[0],
+    )
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return max(0, peak - kept_bytes_of(result))
+
+
+def _cuda_peak_extra(fn, device) -> int:
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def measure_offload(
+    layer_num: int = 8,
+    num_pages: int = 512,
+    request_pages: int = 256,
+    chunk_tokens: Optional[int] = None,
+    repeats: int = 15,
+    device: str = "cpu",
+    scattered: bool = True,
+    seed: int = 0,
+) -> Dict:
+    """Offload + restore figures for one request's index-key pages (see module doc)."""
+    pool = build_nsa_pool(layer_num=layer_num, num_pages=num_pages, device=device, chunk_tokens=chunk_tokens,
+                          kv_lora_rank=64, qk_rope_head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    for buf in pool.index_k_with_scale_buffer:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    indices = _request_indices(num_pages, request_pages, scattered, gen, device)
+    row_bytes = pool.index_k_with_scale_buffer[0][0].nbytes
+    total_bytes = layer_num * request_pages * row_bytes
+    chunk_rows = page_chunk_rows(pool.cpu_offloading_chunk_size, pool.page_size)
+
+    # The plain copy: the same bytes, contiguous, per layer, into preallocated host memory and back.
+    src = [torch.empty(request_pages, row_bytes, dtype=torch.uint8, device=device) for _ in range(layer_num)]
+    host = [torch.empty(request_pages, row_bytes, dtype=torch.uint8) for _ in range(layer_num)]
+
+    def ext_round_trip():
+        copy = retract.offload_index_k(pool, indices)
+        _sync(device)
+        retract.restore_index_k(pool, copy, indices)
+        _sync(device)
+        return copy
+
+    def plain_round_trip():
+        for s, h in zip(src, host):
+            h.copy_(s)
+        _sync(device)
+        for s, h in zip(src, host):
+            s.copy_(h)
+        _sync(device)
+
+    # Correctness of what is being timed: the round trip gives back the same bytes.
+    before = [buf.clone() for buf in pool.index_k_with_scale_buffer]
+    copy = ext_round_trip()
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.index_k_with_scale_buffer))
+    assert sum(t.nbytes for layer in copy for t in layer) == total_bytes
+    del before, copy
+
+    ext_s: List[float] = []
+    plain_s: List[float] = []
+    plain_round_trip()  # warm-up
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ext_round_trip()
+        ext_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        plain_round_trip()
+        plain_s.append(time.perf_counter() - t0)
+    ext_med, plain_med = statistics.median(ext_s), statistics.median(plain_s)
+
+    if torch.device(device).type == "cuda":
+        peak_extra = _cuda_peak_extra(ext_round_trip, device)
+        peak_method = "torch.cuda.max_memory_allocated (device)"
+    else:
+        peak_extra = _cpu_peak_extra(ext_round_trip, lambda c: sum(t.nbytes for layer in c for t in layer))
+        peak_method = "torch.profiler CPU allocator events, minus the returned host copy"
+    one_chunk = peak_chunk_bytes(request_pages, chunk_rows, row_bytes)
+
+    return {
+        "device": str(device),
+        "layers": layer_num,
+        "request_pages": request_pages,
+        "scattered": scattered,
+        "chunk_tokens": pool.cpu_offloading_chunk_size,
+        "chunk_pages": chunk_rows,
+        "bytes": total_bytes,
+        "repeats": repeats,
+        "ext_s": ext_med,
+        "plain_s": plain_med,
+        "ext_GBps": 2 * total_bytes / ext_med / 1e9,  # offload + restore move the bytes twice
+        "plain_GBps": 2 * total_bytes / plain_med / 1e9,
+        "ratio": plain_med / ext_med,  # ext throughput / plain throughput
+        "peak_extra_bytes": peak_extra,
+        "one_chunk_bytes": one_chunk,
+        "within_one_chunk": peak_extra <= one_chunk,
+        "peak_method": peak_method,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+DEFAULT_CASES = [
+    dict(request_pages=128, chunk_tokens=None, scattered=True),  # 8k-token request, one default chunk
+    dict(request_pages=256, chunk_tokens=None, scattered=True),  # 16k tokens, two chunks
+    dict(request_pages=256, chunk_tokens=2048, scattered=True),  # 32-page chunks
+    dict(request_pages=256, chunk_tokens=None, scattered=False),  # contiguous pages
+]
+
+
+def format_table(rows: List[Dict]) -> str:
+    head = ("pages", "scat", "chunk", "MiB", "ext ms", "plain ms", "ext GB/s", "plain GB/s", "ratio", "peak extra KiB",
+            "1 chunk KiB", "ok")
+    lines = [" | ".join(head)]
+    for r in rows:
+        lines.append(" | ".join(str(x) for x in (
+            r["request_pages"], "y" if r["scattered"] else "n", f'{r["chunk_tokens"]}t/{r["chunk_pages"]}p',
+            f'{r["bytes"] / 2**20:.1f}', f'{r["ext_s"] * 1e3:.2f}', f'{r["plain_s"] * 1e3:.2f}',
+            f'{r["ext_GBps"]:.2f}', f'{r["plain_GBps"]:.2f}', f'{r["ratio"]:.2f}',
+            f'{r["peak_extra_bytes"] / 1024:.1f}', f'{r["one_chunk_bytes"] / 1024:.0f}',
+            "yes" if r["within_one_chunk"] else "NO",
+        )))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [measure_offload(layer_num=args.layers, repeats=args.repeats, device=args.device, **case)
+            for case in DEFAULT_CASES]
+    import sglang_disagg_ext.releases as rel
+
+    print(f"F5 index-key offload+restore vs plain copy; SGLang {rel.installed_sglang_version()}, "
+          f"torch {torch.__version__}, {args.layers} layers, median of {args.repeats} interleaved repeats, "
+          f"{rows[0]['torch_threads']} torch threads, device {args.device}")
+    print(format_table(rows))
+    print(f"peak extra memory: {rows[0]['peak_method']}")
+    return 0 if all(r["within_one_chunk"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Real-engine transfer harness: prefill -> decode through SGLang's own classes.
+
+``run_scenario(scenario, backend)`` starts one prefill and one decode child
+process (``harness.worker``), runs the scenario's requests through the real
+bootstrap server, manager, sender and receiver of ``backend`` on CPU pools and
+a real transfer engine over loopback TCP, and returns a ``ScenarioResult``
+with each side's final KVPoll state and decode's byte-for-byte verification.
+
+Importing this package does not import SGLang or torch.
+"""
+
+from .run import RequestResult, ScenarioResult, find_free_port, format_table, run_scenario
+from .scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    ScenarioError,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+)
+
+__all__ = [
+    "KVPoolSpec",
+    "RequestResult",
+    "RequestSpec",
+    "Scenario",
+    "ScenarioError",
+    "ScenarioResult",
+    "StatePoolSpec",
+    "StateSpec",
+    "Timeouts",
+    "find_free_port",
+    "format_table",
+    "run_scenario",
+]

@@ -1,0 +1,220 @@
+"""Byte patterns and the expected decode contents, derived by hand. numpy only.
+
+Prefill fills every byte of every pool (KV, aux rows, state components) with a
+deterministic pattern that depends on (pool id, buffer, page, byte offset), so
+a page that lands in the wrong place, or a page from the wrong buffer, is
+recognisable. Decode fills every byte with :data:`SENTINEL`; pattern bytes never
+equal it, so "untouched" is "every byte is the sentinel".
+
+What decode must hold after a request is derived here from the scenario alone,
+by the rules SGLang's transfer path is meant to follow (never by calling the
+plugin's code under test):
+
+* KV pages, paged state components (swa, nsa, dsv4): the two page lists are
+  aligned on their leading entries, the first ``min(len(src), len(dst))``
+  pairs move (page ``src[i]`` -> page ``dst[i]``), the rest of the longer list
+  is left alone (fix F1's rule). A ``None`` list moves nothing.
+* Mamba: one slot to one slot; anything but exactly one slot on each side
+  moves nothing.
+* Aux: the request's prefill row -> its decode row, in every aux buffer.
+
+After request ``k`` the pages it targets must hold those source bytes, and
+every page no request ``0 .. k`` targets must still hold the sentinel. Pages
+only earlier requests targeted are not checked again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .scenario import AUX_POOL_ID, KV_POOL_ID, PAGED_STATE_KINDS, STATE_POOL_BASE, Scenario
+
+SENTINEL = 0xA5
+_M64 = (1 << 64) - 1
+
+# Cap on mismatch lines per buffer, so one broken transfer cannot flood a report.
+MAX_MISMATCHES_PER_BUFFER = 8
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return x
+
+
+def _seed(pool_id: int, buffer: int) -> int:
+    return ((pool_id + 1) * 0x9E3779B97F4A7C15 ^ (buffer + 1) * 0xD1B54A32D192ED03) & _M64
+
+
+def _pattern(pool_id: int, buffer: int, pages: np.ndarray, nbytes: int) -> np.ndarray:
+    pages = np.asarray(pages, dtype=np.uint64).reshape(-1, 1)
+    offs = np.arange(nbytes, dtype=np.uint64).reshape(1, -1)
+    with np.errstate(over="ignore"):
+        x = np.uint64(_seed(pool_id, buffer)) + pages * np.uint64(0x8CB92BA72F3D8DD7)
+        x = _mix64(x) + offs * np.uint64(0x9E3779B97F4A7C15)
+    out = (_mix64(x) >> np.uint64(56)).astype(np.uint8)
+    out[out == SENTINEL] = SENTINEL ^ 0xFF
+    return out
+
+
+def page_bytes(pool_id: int, buffer: int, page: int, nbytes: int) -> np.ndarray:
+    """The source bytes of one page (or aux row, or Mamba slot): uint8[nbytes]."""
+    return _pattern(pool_id, buffer, np.array([page]), nbytes)[0]
+
+
+def buffer_pattern(pool_id: int, buffer: int, num_pages: int, item_bytes: int) -> np.ndarray:
+    """A whole source buffer: uint8[num_pages, item_bytes]."""
+    return _pattern(pool_id, buffer, np.arange(num_pages), item_bytes)
+
+
+def sentinel_buffer(num_pages: int, item_bytes: int) -> np.ndarray:
+    return np.full((num_pages, item_bytes), SENTINEL, dtype=np.uint8)
+
+
+# -- expected contents ---------------------------------------------------------
+
+
+def aligned_pairs(src: Optional[Sequence[int]], dst: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
+    """(src page, dst page) pairs: the first min(len) entries, in order."""
+    if src is None or dst is None:
+        return []
+    n = min(len(src), len(dst))
+    return [(int(src[i]), int(dst[i])) for i in range(n)]
+
+
+def mamba_pairs(src: Optional[Sequence[int]], dst: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
+    """One slot to one slot; any other shape moves nothing."""
+    if src is None or dst is None or len(src) != 1 or len(dst) != 1:
+        return []
+    return [(int(src[0]), int(dst[0]))]
+
+
+@dataclasses.dataclass
+class PoolExpectation:
+    """What one pool on decode must look like after one request.
+
+    ``writes`` maps a decode page to the prefill page whose bytes it must hold;
+    ``sentinel_pages`` must still hold the sentinel. Pages in neither are not
+    checked (only earlier requests targeted them).
+    """
+
+    pool_id: int
+    name: str
+    num_pages: int
+    writes: Dict[int, int]
+    sentinel_pages: List[int]
+
+
+def _writes(pairs: List[Tuple[int, int]]) -> Dict[int, int]:
+    out: Dict[int, int] = {}
+    for s, d in pairs:
+        out[d] = s  # a repeated decode page: the later pair is the last write
+    return out
+
+
+def request_pairs(scn: Scenario, index: int) -> Dict[int, List[Tuple[int, int]]]:
+    """Pool id -> (src, dst) pairs request ``index`` must move."""
+    req = scn.requests[index]
+    out = {
+        KV_POOL_ID: aligned_pairs(req.src_kv_pages, req.dst_kv_pages),
+        AUX_POOL_ID: [(req.aux_index, req.decode_aux_index)],
+    }
+    for c, st in enumerate(req.state):
+        if st.kind in PAGED_STATE_KINDS:
+            pairs = aligned_pairs(st.src_pages, st.dst_pages)
+        else:
+            pairs = mamba_pairs(st.src_pages, st.dst_pages)
+        out[STATE_POOL_BASE + c] = pairs
+    return out
+
+
+def _targeted(scn: Scenario, index: int) -> Dict[int, set]:
+    """Pool id -> decode pages request ``index`` writes (the dst side of its pairs)."""
+    return {pid: {d for _, d in pairs} for pid, pairs in request_pairs(scn, index).items()}
+
+
+def pool_names(scn: Scenario) -> Dict[int, Tuple[str, int]]:
+    """Pool id -> (name, number of pages/rows/slots)."""
+    out = {KV_POOL_ID: ("kv", scn.kv.num_pages), AUX_POOL_ID: ("aux", scn.aux_rows)}
+    for c, pool in enumerate(scn.state_pools):
+        out[STATE_POOL_BASE + c] = (f"state{c}:{pool.kind}", pool.num_pages)
+    return out
+
+
+def expected_after_request(scn: Scenario, index: int) -> Dict[int, PoolExpectation]:
+    """Pool id -> what decode must hold right after request ``index`` ends."""
+    pairs = request_pairs(scn, index)
+    touched: Dict[int, set] = {pid: set() for pid in pool_names(scn)}
+    for k in range(index + 1):
+        for pid, pages in _targeted(scn, k).items():
+            touched[pid] |= pages
+    out = {}
+    for pid, (name, n) in pool_names(scn).items():
+        writes = _writes(pairs.get(pid, []))
+        sentinel = [p for p in range(n) if p not in touched[pid] and p not in writes]
+        out[pid] = PoolExpectation(pid, name, n, writes, sentinel)
+    return out
+
+
+# -- comparison ----------------------------------------------------------------
+
+
+def _identify(actual_page: np.ndarray, pool_id: int, buffer: int, num_pages: int) -> str:
+    if np.all(actual_page == SENTINEL):
+        return "the sentinel (never written)"
+    candidates = buffer_pattern(pool_id, buffer, num_pages, actual_page.size)
+    hits = np.nonzero(np.all(candidates == actual_page[None, :], axis=1))[0]
+    if hits.size:
+        return f"prefill page {int(hits[0])}'s bytes"
+    n_sent = int(np.count_nonzero(actual_page == SENTINEL))
+    return f"unrecognised bytes ({n_sent}/{actual_page.size} bytes still sentinel)"
+
+
+def compare_buffer(
+    actual: np.ndarray,
+    pool_id: int,
+    buffer: int,
+    expectation: PoolExpectation,
+    label: str,
+    src_num_pages: Optional[int] = None,
+) -> List[str]:
+    """Check one decode buffer (uint8[num_pages, item_bytes]); return mismatch lines."""
+    actual = np.asarray(actual, dtype=np.uint8)
+    n_src = src_num_pages if src_num_pages is not None else expectation.num_pages
+    item = actual.shape[1]
+    problems: List[str] = []
+    skipped = 0
+
+    def add(msg):
+        nonlocal skipped
+        if len(problems) < MAX_MISMATCHES_PER_BUFFER:
+            problems.append(msg)
+        else:
+            skipped += 1
+
+    for dst, src in sorted(expectation.writes.items()):
+        want = page_bytes(pool_id, buffer, src, item)
+        got = actual[dst]
+        if not np.array_equal(got, want):
+            bad = np.nonzero(got != want)[0]
+            add(
+                f"{label} page {dst}: expected prefill page {src}'s bytes, found "
+                f"{_identify(got, pool_id, buffer, n_src)} ({bad.size}/{item} bytes differ, "
+                f"first at offset {int(bad[0])})"
+            )
+    if expectation.sentinel_pages:
+        rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)
+        dirty = rows[~np.all(actual[rows] == SENTINEL, axis=1)]
+        for p in dirty.tolist():
+            add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src)}")
+    if skipped:
+        problems.append(f"{label}: {skipped} more mismatching pages not listed")
+    return problems

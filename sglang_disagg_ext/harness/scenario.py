@@ -1,0 +1,258 @@
+"""What one harness run transfers: pure, JSON-serialisable dataclasses.
+
+A :class:`Scenario` describes the pools both sides build (identical geometry on
+prefill and decode) and a list of requests that run one after another through
+one prefill process and one decode process. Nothing here imports SGLang, torch
+or the code under test; :mod:`.patterns` derives the expected decode contents
+from a scenario alone.
+
+Page indices are pool pages (what SGLang's schedulers pass to ``send`` and
+``send_metadata``), not token indices. Every page list may have any length,
+including zero, and the two sides of a state component may differ in length.
+A state page list may also be ``None``: that side then passes ``None`` for the
+component (SGLang's "nothing to send for this component").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Optional
+
+STATE_KINDS = ("swa", "nsa", "dsv4", "mamba")
+PAGED_STATE_KINDS = ("swa", "nsa", "dsv4")
+
+# Pool ids used by the byte patterns (patterns.py): KV is 0, the aux
+# (metadata) buffers 1, state component i is STATE_POOL_BASE + i.
+KV_POOL_ID = 0
+AUX_POOL_ID = 1
+STATE_POOL_BASE = 2
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be run as written."""
+
+
+@dataclasses.dataclass
+class KVPoolSpec:
+    """The full-attention KV pool: a real ``MHATokenToKVPool`` on CPU.
+
+    Buffers are K for each layer then V for each layer (SGLang's
+    ``get_contiguous_buf_infos`` order); page ``p`` of a buffer starts at
+    ``p * page_size * head_num * head_dim * itemsize``. Pages ``0 ..
+    num_pages - 1`` are addressable.
+    """
+
+    num_pages: int = 16
+    head_num: int = 2
+    head_dim: int = 16
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass
+class StatePoolSpec:
+    """One hybrid-state component, the same on both sides.
+
+    Paged kinds (swa, nsa, dsv4) are a real ``MHATokenToKVPool`` of their own
+    (what ``SWAKVPool.get_state_buf_infos`` hands to the transfer backend):
+    ``2 * num_layers`` buffers of ``num_pages`` pages. A Mamba component is
+    plain CPU tensors: for each entry of ``mamba_item_bytes``, ``num_layers``
+    buffers of ``num_pages`` slots of that many bytes.
+    """
+
+    kind: str
+    num_pages: int = 16
+    num_layers: int = 1
+    head_num: int = 1
+    head_dim: int = 16
+    dtype: str = "bfloat16"
+    mamba_item_bytes: List[int] = dataclasses.field(default_factory=lambda: [192, 64])
+
+    @property
+    def paged(self) -> bool:
+        return self.kind in PAGED_STATE_KINDS
+
+
+@dataclasses.dataclass
+class StateSpec:
+    """One request's pages of one state component (same position as its pool)."""
+
+    kind: str
+    src_pages: Optional[List[int]] = dataclasses.field(default_factory=list)
+    dst_pages: Optional[List[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """One transfer: prefill pages -> decode pages, one aux row, state pages.
+
+    ``send_chunks`` splits the source KV pages over that many ``send`` calls
+    (chunked prefill); state indices travel with the last chunk only, as in
+    SGLang's prefill scheduler.
+    """
+
+    src_kv_pages: List[int]
+    dst_kv_pages: List[int]
+    aux_index: int = 0
+    dst_aux_index: Optional[int] = None
+    state: List[StateSpec] = dataclasses.field(default_factory=list)
+    send_chunks: int = 1
+    room: Optional[int] = None
+
+    @property
+    def decode_aux_index(self) -> int:
+        return self.aux_index if self.dst_aux_index is None else self.dst_aux_index
+
+
+@dataclasses.dataclass
+class Timeouts:
+    """Bounds, in seconds. Every wait in the harness has one.
+
+    ``request_s`` bounds each request on each side (worker poll loops);
+    ``startup_s`` bounds imports, manager construction and the decode side's
+    wait for the prefill to register at the bootstrap server. The ``sglang_*``
+    values go to SGLang's own environment variables in the children, so that a
+    stock hang ends as ``Failed`` (decode waiting timeout, prefill bootstrap
+    timeout) well inside ``request_s``.
+    """
+
+    request_s: float = 30.0
+    startup_s: float = 120.0
+    sglang_waiting_s: float = 8.0
+    sglang_bootstrap_s: float = 8.0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_max_failure: int = 2
+
+
+@dataclasses.dataclass
+class Scenario:
+    name: str
+    requests: List[RequestSpec]
+    page_size: int = 4
+    num_layers: int = 2
+    kv: KVPoolSpec = dataclasses.field(default_factory=KVPoolSpec)
+    state_pools: List[StatePoolSpec] = dataclasses.field(default_factory=list)
+    aux_rows: int = 8
+    hidden_size: int = 64
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    room_base: int = 1000
+
+    # -- derived -------------------------------------------------------------
+    def room_of(self, index: int) -> int:
+        req = self.requests[index]
+        return req.room if req.room is not None else self.room_base + index
+
+    def kv_buffer_count(self) -> int:
+        return 2 * self.num_layers
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ScenarioError(f"{self.name}: page_size must be >= 1")
+        if self.num_layers < 1:
+            raise ScenarioError(f"{self.name}: num_layers must be >= 1")
+        if self.kv.num_pages < 1:
+            raise ScenarioError(f"{self.name}: kv.num_pages must be >= 1")
+        for i, pool in enumerate(self.state_pools):
+            if pool.kind not in STATE_KINDS:
+                raise ScenarioError(
+                    f"{self.name}: state pool {i} has unknown kind {pool.kind!r} "
+                    f"(known: {', '.join(STATE_KINDS)})"
+                )
+            if pool.num_pages < 1 or pool.num_layers < 1:
+                raise ScenarioError(f"{self.name}: state pool {i} needs num_pages, num_layers >= 1")
+        rooms = set()
+        for r, req in enumerate(self.requests):
+            room = self.room_of(r)
+            if room in rooms:
+                raise ScenarioError(f"{self.name}: request {r} reuses bootstrap room {room}")
+            rooms.add(room)
+            _check_pages(self, f"request {r} src_kv_pages", req.src_kv_pages, self.kv.num_pages)
+            _check_pages(self, f"request {r} dst_kv_pages", req.dst_kv_pages, self.kv.num_pages)
+            for label, idx in (("aux_index", req.aux_index), ("dst_aux_index", req.decode_aux_index)):
+                if not 0 <= idx < self.aux_rows:
+                    raise ScenarioError(f"{self.name}: request {r} {label} {idx} not in [0, {self.aux_rows})")
+            if req.send_chunks < 1:
+                raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
+            if len(req.state) != len(self.state_pools):
+                raise ScenarioError(
+                    f"{self.name}: request {r} lists {len(req.state)} state components, "
+                    f"the scenario has {len(self.state_pools)} state pools"
+                )
+            for c, (st, pool) in enumerate(zip(req.state, self.state_pools)):
+                if st.kind != pool.kind:
+                    raise ScenarioError(
+                        f"{self.name}: request {r} state {c} is {st.kind!r}, pool {c} is {pool.kind!r}"
+                    )
+                for side, pages in (("src_pages", st.src_pages), ("dst_pages", st.dst_pages)):
+                    if pages is not None:
+                        _check_pages(self, f"request {r} state {c} {side}", pages, pool.num_pages)
+
+    # -- JSON ----------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Scenario":
+        data = dict(data)
+        data["kv"] = KVPoolSpec(**data.get("kv", {}))
+        data["state_pools"] = [StatePoolSpec(**p) for p in data.get("state_pools", [])]
+        data["timeouts"] = Timeouts(**data.get("timeouts", {}))
+        reqs = []
+        for r in data.get("requests", []):
+            r = dict(r)
+            r["state"] = [StateSpec(**s) for s in r.get("state", [])]
+            reqs.append(RequestSpec(**r))
+        data["requests"] = reqs
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Scenario":
+        return cls.from_dict(json.loads(text))
+
+
+def _check_pages(scn: Scenario, label: str, pages, num_pages: int) -> None:
+    for p in pages:
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise ScenarioError(f"{scn.name}: {label}: page {p!r} is not an int")
+        if not 0 <= p < num_pages:
+            raise ScenarioError(f"{scn.name}: {label}: page {p} not in [0, {num_pages})")
+
+
+# -- small builders used by tests and the CLI ---------------------------------
+
+
+def kv_only(name: str = "kv-only", n_pages: int = 5, **kw) -> Scenario:
+    """One request, ``n_pages`` KV pages to different decode pages."""
+    req = RequestSpec(
+        src_kv_pages=list(range(1, 1 + n_pages)),
+        dst_kv_pages=list(range(2 + n_pages, 2 + 2 * n_pages)),
+        aux_index=1,
+        dst_aux_index=3,
+    )
+    kw.setdefault("kv", KVPoolSpec(num_pages=2 + 2 * n_pages + 2))
+    return Scenario(name=name, requests=[req], **kw)
+
+
+def with_state(
+    name: str,
+    kind: str,
+    src_pages: Optional[List[int]],
+    dst_pages: Optional[List[int]],
+    n_kv_pages: int = 4,
+    state_pool_pages: int = 16,
+    **kw,
+) -> Scenario:
+    """One request with KV pages plus one state component of ``kind``."""
+    req = RequestSpec(
+        src_kv_pages=list(range(1, 1 + n_kv_pages)),
+        dst_kv_pages=list(range(1 + n_kv_pages, 1 + 2 * n_kv_pages)),
+        aux_index=2,
+        dst_aux_index=5,
+        state=[StateSpec(kind, src_pages, dst_pages)],
+    )
+    kw.setdefault("kv", KVPoolSpec(num_pages=2 + 2 * n_kv_pages))
+    pools = [StatePoolSpec(kind=kind, num_pages=state_pool_pages)]
+    return Scenario(name=name, requests=[req], state_pools=pools, **kw)

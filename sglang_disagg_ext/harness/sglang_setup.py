@@ -1,0 +1,473 @@
+"""Every SGLang-release difference the harness worker meets, in one place.
+
+The worker (``worker.py``) builds the same objects SGLang's prefill and decode
+schedulers build -- ``ServerArgs``, one-rank process groups, the shared Mooncake
+engine, KV pool, metadata buffers, ``KVArgs``, the backend's manager, sender and
+receiver -- and asks this module how to do each step on the installed release.
+Release facts come from ``sglang_disagg_ext.releases`` (state layout) and from
+feature checks on the installed SGLang; nothing else in the harness compares
+versions.
+
+References (``file:line`` in the release named):
+  * KVArgs filling: ``disaggregation/prefill.py::_init_kv_manager`` and
+    ``disaggregation/decode.py::_init_kv_manager`` (0.5.11 prefill.py:142,
+    decode.py:329; 0.5.12.post1 prefill.py:143 with ``setup_state_kv_args``
+    from ``disaggregation/utils.py:552``).
+  * Shared Mooncake engine: ``model_executor/model_runner.py`` starts it only
+    when the backend string equals ``"mooncake"`` (0.5.11 :1277).
+  * Process groups: ``init_distributed_environment``, ``initialize_model_parallel``,
+    ``initialize_dp_attention`` (every release's CommonKVManager reads the
+    attention TP/CP/DP getters and, on prefill, ``get_pp_group()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from sglang_disagg_ext import releases
+
+EXT_BACKENDS = releases.EXT_BACKENDS
+
+
+# -- environment -----------------------------------------------------------------
+
+
+def transfer_env(timeouts, host_ip: str = "127.0.0.1") -> Dict[str, str]:
+    """Environment for a worker child: TCP engines on loopback, short timeouts.
+
+    Mooncake: 0.5.12+ read ``MOONCAKE_PROTOCOL`` (default rdma); 0.5.10/0.5.11
+    hard-code rdma and only Mooncake's own ``MC_FORCE_TCP`` switches it. Both
+    are set: each release ignores the one it does not read.
+    """
+    return {
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MC_FORCE_TCP": "1",
+        "SGLANG_HOST_IP": host_ip,
+        "SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX",
+        "UCX_TLS": "tcp,self,sm",
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": _num(timeouts.sglang_waiting_s),
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": _num(timeouts.sglang_bootstrap_s),
+        "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": _num(timeouts.heartbeat_interval_s),
+        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(int(timeouts.heartbeat_max_failure)),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def model_config_json(scn) -> Dict[str, Any]:
+    """A tiny llama ``config.json``: ServerArgs needs a local model directory."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": scn.hidden_size,
+        "intermediate_size": 2 * scn.hidden_size,
+        "num_attention_heads": scn.kv.head_num,
+        "num_key_value_heads": scn.kv.head_num,
+        "head_dim": scn.kv.head_dim,
+        "num_hidden_layers": scn.num_layers,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": scn.kv.dtype,
+    }
+
+
+# -- release facts -----------------------------------------------------------------
+
+
+def sglang_version() -> Optional[str]:
+    return releases.installed_sglang_version()
+
+
+def state_layout() -> releases.StateLayout:
+    layout = releases.current_policy().layout
+    if layout is None:
+        raise RuntimeError(
+            f"the harness does not know SGLang {sglang_version()!r}'s state layout "
+            "(see sglang_disagg_ext.releases)"
+        )
+    return layout
+
+
+def is_flat() -> bool:
+    return state_layout() is releases.StateLayout.FLAT
+
+
+def _has_runtime_context() -> bool:
+    try:
+        import sglang.srt.runtime_context  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- plugin -----------------------------------------------------------------------
+
+
+def load_plugin(mode: str, backend: str) -> Optional[str]:
+    """Load the plugin the way SGLang would; returns what was called, or None.
+
+    ``mode``: "yes", "no", or "auto" (load it when ``backend`` is an -ext name).
+    """
+    want = mode == "yes" or (mode == "auto" and backend in EXT_BACKENDS)
+    if not want:
+        return None
+    try:
+        from sglang_disagg_ext.registration import load_plugin as _load
+    except ImportError as e:
+        raise RuntimeError(
+            f"backend {backend!r} needs sglang_disagg_ext.registration.load_plugin: {e}"
+        ) from e
+    _load()
+    return "sglang_disagg_ext.registration.load_plugin"
+
+
+# -- server args, groups, engines ---------------------------------------------------------
+
+
+def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: int, page_size: int):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=model_dir,
+        skip_tokenizer_init=True,
+        device="cpu",
+        disaggregation_mode=role,
+        disaggregation_transfer_backend=backend,
+        disaggregation_bootstrap_port=bootstrap_port,
+        host="127.0.0.1",
+        page_size=page_size,
+    )
+
+
+def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype) -> None:
+    """One-rank process groups, as a TP=1 scheduler has them.
+
+    Every release's ``CommonKVManager`` reads the attention TP/CP/DP getters and
+    (prefill) ``get_pp_group()``, which assert unless real groups exist.
+    """
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(server_args)
+    if _has_runtime_context():
+        _init_runtime_context(server_args, dist_init_method)
+        return
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+    ps.set_custom_all_reduce(False)
+    ps.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=dist_init_method,
+    )
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    # initialize_dp_attention reads only hidden_size and dtype of the model config.
+    initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
+
+
+def _init_runtime_context(server_args, dist_init_method: str) -> None:  # pragma: no cover - 0.5.23 only
+    raise NotImplementedError(
+        f"harness: SGLang {sglang_version()} (runtime_context) is not wired yet"
+    )
+
+
+def init_shared_engines(server_args) -> List[str]:
+    """Start what ``ModelRunner`` starts for PD transfer (the shared Mooncake engine).
+
+    Same condition as the release's model runner: the backend string equals
+    ``"mooncake"`` after ``ServerArgs.__post_init__``.
+    """
+    started = []
+    if server_args.disaggregation_mode != "null" and server_args.disaggregation_transfer_backend == "mooncake":
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            init_mooncake_transfer_engine,
+        )
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        init_mooncake_transfer_engine(
+            hostname=get_local_ip_auto(),
+            gpu_id=0,
+            ib_device=server_args.disaggregation_ib_device
+            or getattr(server_args, "mooncake_ib_device", None),
+        )
+        started.append("mooncake-transfer-engine")
+    return started
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+# -- pools --------------------------------------------------------------------------
+
+
+def make_mha_pool(num_pages: int, page_size: int, dtype, head_num: int, head_dim: int, layer_num: int):
+    """A real ``MHATokenToKVPool`` on CPU with pages ``0 .. num_pages-1``.
+
+    The pool allocates ``size + page_size`` token slots; ``size`` is chosen so
+    the buffers hold exactly ``num_pages`` pages.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if num_pages < 2:
+        raise ValueError("an MHA pool needs num_pages >= 2 (page 0 is SGLang's padding page)")
+    return MHATokenToKVPool(
+        size=(num_pages - 1) * page_size,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+    )
+
+
+def mha_pool_tensors(pool) -> list:
+    """The pool's buffers in ``get_contiguous_buf_infos`` order (K layers, V layers)."""
+    return list(pool.k_buffer) + list(pool.v_buffer)
+
+
+def make_metadata_buffers(rows: int, hidden_size: int, dtype):
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    import inspect
+
+    params = inspect.signature(MetadataBuffers.__init__).parameters
+    kwargs = {}
+    if "max_sampling_mask_tokens" in params:  # 0.5.2x
+        kwargs["max_sampling_mask_tokens"] = 0
+    return MetadataBuffers(rows, hidden_size, dtype, **kwargs)
+
+
+def metadata_tensors(meta, ptrs: Sequence[int]) -> list:
+    """Map ``get_buf_infos`` pointers back to the MetadataBuffers tensors."""
+    import torch
+
+    by_ptr = {}
+    for value in vars(meta).values():
+        if isinstance(value, torch.Tensor):
+            by_ptr.setdefault(value.data_ptr(), value)
+    missing = [p for p in ptrs if p not in by_ptr]
+    if missing:
+        raise RuntimeError(f"metadata buffer pointers without a tensor: {missing}")
+    return [by_ptr[p] for p in ptrs]
+
+
+# -- KVArgs --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StateComponent:
+    """One state component's buffers as the transfer backend sees them."""
+
+    kind: str
+    ptrs: List[int]
+    lens: List[int]
+    item_lens: List[int]
+
+
+def state_type_for(kind: str):
+    """The value a release's KVArgs carries for a state kind.
+
+    Flat releases carry the string itself (``"dsv4"`` included: stock flat
+    ``maybe_send_extra`` has no branch for it). Per-component releases carry a
+    ``StateType``; no release has a DSv4 member, and 0.5.12 registers the
+    DeepSeek-V4 pool as a SWA component (``setup_state_kv_args``), so dsv4 maps
+    to ``StateType.SWA`` there unless the enum has its own member.
+    """
+    if is_flat():
+        return kind
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    try:
+        return StateType(kind)
+    except ValueError:
+        if kind == "dsv4":
+            return StateType.SWA
+        raise
+
+
+def _kv_args_fields(kv_args) -> set:
+    names = set()
+    for klass in type(kv_args).__mro__:
+        names.update(getattr(klass, "__annotations__", {}))
+    return names
+
+
+def fill_kv_args(
+    kv_args,
+    role: str,
+    server_args,
+    kv_pool,
+    meta,
+    components: Sequence[StateComponent],
+    total_kv_heads: int,
+) -> Dict[str, Any]:
+    """Fill ``kv_args`` the way the release's prefill/decode ``_init_kv_manager`` does.
+
+    Returns a short description of what was registered (for the result).
+    """
+    fields = _kv_args_fields(kv_args)
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    if role == "prefill":
+        kv_args.prefill_start_layer = kv_pool.start_layer
+        if "prefill_end_layer" in fields:
+            kv_args.prefill_end_layer = getattr(kv_pool, "end_layer", None)
+        if "mla_compression_ratios" in fields:
+            kv_args.mla_compression_ratios = None
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = kv_pool.get_contiguous_buf_infos()
+    if role == "prefill":  # non-MLA prefill only, as in prefill.py
+        kv_args.kv_head_num = kv_pool.head_num
+        kv_args.total_kv_head_num = total_kv_heads
+    kv_args.page_size = kv_pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    kv_args.ib_device = server_args.disaggregation_ib_device
+    kv_args.gpu_id = 0
+
+    if is_flat():
+        if len(components) > 1:
+            raise ValueError(
+                f"SGLang {sglang_version()} has the flat state layout (one state component); "
+                f"the scenario has {len(components)}"
+            )
+        if components:
+            c = components[0]
+            kv_args.state_data_ptrs = list(c.ptrs)
+            kv_args.state_data_lens = list(c.lens)
+            kv_args.state_item_lens = list(c.item_lens)
+            kv_args.state_type = state_type_for(c.kind)
+        else:
+            kv_args.state_data_ptrs = []
+            kv_args.state_data_lens = []
+            kv_args.state_item_lens = []
+            kv_args.state_type = "none"
+        registered = [str(kv_args.state_type)]
+    else:
+        from sglang.srt.disaggregation import utils as dutils
+
+        kv_args.state_types = []
+        kv_args.state_data_ptrs = []
+        kv_args.state_data_lens = []
+        kv_args.state_item_lens = []
+        kv_args.state_dim_per_tensor = []
+        for c in components:
+            dutils.append_state_component(
+                kv_args, state_type_for(c.kind), list(c.ptrs), list(c.lens), list(c.item_lens)
+            )
+        registered = [getattr(t, "value", str(t)) for t in kv_args.state_types]
+    return {"state_layout": state_layout().value, "state_types": registered}
+
+
+def state_payload(kinds: Sequence[str], lists: Sequence[Optional[Sequence[int]]]):
+    """``state_indices`` for ``send`` / ``send_metadata`` in the release's layout.
+
+    Paged kinds pass an int32 page array (what ``kv_to_page_indices`` returns),
+    Mamba a one-element list, as the schedulers do. Flat: the single
+    component's value (``None`` without state). Per-component: one entry per
+    component, ``None`` where a side passes nothing.
+    """
+
+    def one(kind, pages):
+        if pages is None:
+            return None
+        if kind == "mamba":
+            return [int(p) for p in pages]
+        return np.asarray(list(pages), dtype=np.int32)
+
+    if is_flat():
+        if not kinds:
+            return None
+        return one(kinds[0], lists[0])
+    return [one(k, p) for k, p in zip(kinds, lists)]
+
+
+# -- manager, sender, receiver ---------------------------------------------------------------
+
+
+def kv_classes(server_args) -> Dict[str, Any]:
+    """The backend's classes, obtained exactly as the schedulers obtain them."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend(server_args.disaggregation_transfer_backend)
+    out = {"backend": backend}
+    for name in ("KVARGS", "MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER"):
+        out[name.lower()] = get_kv_class(backend, getattr(KVClassType, name))
+    return out
+
+
+def disaggregation_mode(role: str):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+
+
+def make_manager(manager_class, kv_args, role: str, server_args):
+    return manager_class(kv_args, disaggregation_mode(role), server_args, False)
+
+
+def make_sender(sender_class, mgr, bootstrap_addr: str, room: int):
+    import inspect
+
+    params = inspect.signature(sender_class.__init__).parameters
+    kwargs = dict(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
+    if "dest_tp_ranks" in params:  # up to 0.5.12
+        kwargs["dest_tp_ranks"] = [0]
+    if "pp_rank" in params:
+        kwargs["pp_rank"] = 0
+    return sender_class(**kwargs)
+
+
+def make_receiver(receiver_class, mgr, bootstrap_addr: str, room: int):
+    return receiver_class(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
+
+
+def try_ensure_prefill_info(mgr, bootstrap_addr: str) -> bool:
+    """One non-blocking attempt, as the decode scheduler's pending queue makes."""
+    return bool(mgr.try_ensure_parallel_info(bootstrap_addr))
+
+
+def kvpoll():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return KVPoll
+
+
+def poll_name(value) -> str:
+    KVPoll = kvpoll()
+    for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"):
+        if value == getattr(KVPoll, name):
+            return name
+    return f"unknown({value!r})"
+
+
+def failure_reason(mgr, room: int) -> Optional[str]:
+    records = getattr(mgr, "failure_records", None)
+    if not records:
+        return None
+    value = records.get(room)
+    return None if value is None else str(value)
+
+
+def class_name(obj_or_cls) -> str:
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,486 @@
+"""Child-process entry of the transfer harness: one prefill or one decode side.
+
+    python -m sglang_disagg_ext.harness.worker --role prefill|decode \
+        --scenario S.json --backend NAME --bootstrap-port P --model-dir D \
+        --dist-init file:///... --result R.json --done-file F [--load-plugin auto|yes|no]
+
+Builds the objects SGLang's scheduler builds (see ``sglang_setup``), runs the
+scenario's requests one after another through the backend's real manager,
+sender/receiver and the real bootstrap server, and writes a JSON result after
+each request (atomically), so a parent that has to kill the process still gets
+what was done. Decode verifies every byte it owns after each request with
+``patterns``. Every wait has a deadline. The process ends with ``os._exit`` so
+that engine threads cannot hold it open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+T_START = time.monotonic()
+
+POLL_SLEEP_S = 0.002
+FINAL = ("Success", "Failed")
+PEER_GRACE_S = 2.0
+MAX_LOG_LINES_PER_REQUEST = 30
+MAX_LOG_LINE = 600
+
+
+def _now() -> float:
+    return time.monotonic() - T_START
+
+
+class _LogCapture(logging.Handler):
+    """Keeps WARNING+ records (SGLang's own, e.g. state-index trims) with times."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.lines: List[tuple] = []
+        self._mu = threading.Lock()
+
+    def emit(self, record):
+        try:
+            msg = record.getMessage()
+        except Exception:  # pragma: no cover
+            msg = str(record.msg)
+        with self._mu:
+            self.lines.append((_now(), f"{record.levelname} {record.name}: {msg}"[:MAX_LOG_LINE]))
+
+    def since(self, t0: float) -> List[str]:
+        with self._mu:
+            return [m for t, m in self.lines if t >= t0][:MAX_LOG_LINES_PER_REQUEST]
+
+
+class _ThreadErrors:
+    """Exceptions that kill SGLang's background threads (e.g. the transfer worker)."""
+
+    def __init__(self):
+        self.items: List[tuple] = []
+        self._prev = threading.excepthook
+        threading.excepthook = self._hook
+
+    def _hook(self, args):
+        name = getattr(args.thread, "name", "?")
+        self.items.append((_now(), f"thread {name}: {args.exc_type.__name__}: {args.exc_value}"[:MAX_LOG_LINE]))
+        self._prev(args)
+
+    def since(self, t0: float) -> List[str]:
+        return [m for t, m in self.items if t >= t0]
+
+
+class Worker:
+    def __init__(self, args):
+        self.args = args
+        self.role = args.role
+        self.result: Dict[str, Any] = {
+            "role": self.role,
+            "pid": os.getpid(),
+            "backend_requested": args.backend,
+            "requests": [],
+            "timings": {},
+            "error": None,
+            "done": False,
+        }
+        self.logs = _LogCapture()
+        self.thread_errors = _ThreadErrors()
+
+    # -- result file ---------------------------------------------------------
+    def write_result(self) -> None:
+        self.result["thread_errors"] = [m for _, m in self.thread_errors.items][:20]
+        tmp = self.args.result + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.result, f, indent=1, default=str)
+        os.replace(tmp, self.args.result)
+
+    def mark(self, key: str) -> None:
+        self.result["timings"][key] = round(_now(), 3)
+        print(f"[harness {self.role} {_now():7.2f}s] {key}", file=sys.stderr, flush=True)
+
+    # -- setup ---------------------------------------------------------------
+    def setup(self) -> None:
+        from sglang_disagg_ext.harness.scenario import Scenario
+
+        with open(self.args.scenario) as f:
+            self.scn = Scenario.from_json(f.read())
+        self.scn.validate()
+        deadline = T_START + self.scn.timeouts.startup_s
+
+        import torch  # noqa: F401
+
+        from sglang_disagg_ext.harness import sglang_setup as ss
+
+        self.ss = ss
+        self.mark("imported_torch")
+        self.result["plugin_loader"] = ss.load_plugin(self.args.load_plugin, self.args.backend)
+        self.result["sglang_version"] = ss.sglang_version()
+        sa = ss.make_server_args(
+            self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size
+        )
+        self.server_args = sa
+        self.result["backend_effective"] = sa.disaggregation_transfer_backend
+        self.mark("server_args")
+        dtype = ss.torch_dtype(self.scn.kv.dtype)
+        ss.init_runtime(sa, self.args.dist_init, self.scn.hidden_size, dtype)
+        self.result["shared_engines"] = ss.init_shared_engines(sa)
+        self.mark("runtime")
+
+        self.classes = ss.kv_classes(sa)
+        self.result["classes"] = {
+            k: ss.class_name(v) for k, v in self.classes.items() if isinstance(v, type) and k != "backend"
+        }
+        self._build_pools(dtype)
+        self.mark("pools")
+
+        self.bootstrap_addr = f"127.0.0.1:{self.args.bootstrap_port}"
+        if self.role == "prefill":
+            # The bootstrap server must listen before the prefill manager
+            # registers (older releases try once).
+            server_cls = self.classes["bootstrap_server"]
+            self.bootstrap_server = server_cls(host=sa.host, port=sa.disaggregation_bootstrap_port)
+            _wait_port("127.0.0.1", self.args.bootstrap_port, deadline)
+            self.mark("bootstrap_server")
+
+        kv_args = self.classes["kvargs"]()
+        self.result["kv_args"] = ss.fill_kv_args(
+            kv_args, self.role, sa, self.kv_pool, self.meta, self.state_components, self.scn.kv.head_num
+        )
+        self.mgr = ss.make_manager(self.classes["manager"], kv_args, self.role, sa)
+        self.result["manager_class"] = ss.class_name(self.mgr)
+        self.KVPoll = ss.kvpoll()
+        self.mark("manager")
+
+        if self.role == "decode":
+            while not ss.try_ensure_prefill_info(self.mgr, self.bootstrap_addr):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"prefill never registered at bootstrap server {self.bootstrap_addr} "
+                        f"within startup_s={self.scn.timeouts.startup_s}"
+                    )
+                time.sleep(0.1)
+            self.mark("prefill_info")
+
+    def _build_pools(self, dtype) -> None:
+        """KV pool, aux buffers, state components; fill patterns (prefill) or sentinel (decode)."""
+        import torch
+
+        from sglang_disagg_ext.harness import patterns
+        from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
+
+        ss, scn = self.ss, self.scn
+        self.kv_pool = ss.make_mha_pool(
+            scn.kv.num_pages, scn.page_size, dtype, scn.kv.head_num, scn.kv.head_dim, scn.num_layers
+        )
+        ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
+        self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
+
+        self.meta = ss.make_metadata_buffers(scn.aux_rows, scn.hidden_size, dtype)
+        ptrs, lens, items = self.meta.get_buf_infos()
+        self.pools.append(_Pool(AUX_POOL_ID, "aux", ss.metadata_tensors(self.meta, ptrs), ptrs, lens, items))
+
+        self.state_components = []
+        self._state_keepalive = []
+        for c, spec in enumerate(scn.state_pools):
+            if spec.paged:
+                pool = ss.make_mha_pool(
+                    spec.num_pages, scn.page_size, ss.torch_dtype(spec.dtype), spec.head_num, spec.head_dim,
+                    spec.num_layers,
+                )
+                self._state_keepalive.append(pool)
+                tensors = ss.mha_pool_tensors(pool)
+                ptrs, lens, items = pool.get_contiguous_buf_infos()
+            else:  # mamba: per state tensor, per layer, num_pages slots
+                tensors = [
+                    torch.zeros((spec.num_pages, nbytes), dtype=torch.uint8)
+                    for nbytes in spec.mamba_item_bytes
+                    for _ in range(spec.num_layers)
+                ]
+                ptrs = [t.data_ptr() for t in tensors]
+                lens = [t.nbytes for t in tensors]
+                items = [t[0].nbytes for t in tensors]
+            name = f"state{c}:{spec.kind}"
+            self.pools.append(_Pool(STATE_POOL_BASE + c, name, tensors, ptrs, lens, items))
+            self.state_components.append(ss.StateComponent(spec.kind, ptrs, lens, items))
+
+        expected_pages = {KV_POOL_ID: scn.kv.num_pages, AUX_POOL_ID: scn.aux_rows}
+        for c, spec in enumerate(scn.state_pools):
+            expected_pages[STATE_POOL_BASE + c] = spec.num_pages
+        for pool in self.pools:
+            if pool.num_pages != expected_pages[pool.pool_id]:
+                raise RuntimeError(
+                    f"{pool.name}: buffers hold {pool.num_pages} pages, scenario says "
+                    f"{expected_pages[pool.pool_id]}"
+                )
+            for b, view in enumerate(pool.views):
+                if self.role == "prefill":
+                    src = patterns.buffer_pattern(pool.pool_id, b, pool.num_pages, pool.item_bytes[b])
+                    view.copy_(torch.from_numpy(src))
+                else:
+                    view.fill_(patterns.SENTINEL)
+        self.result["pools"] = [
+            {"name": p.name, "buffers": len(p.views), "pages": p.num_pages, "item_bytes": sorted(set(p.item_bytes))}
+            for p in self.pools
+        ]
+
+    # -- requests ------------------------------------------------------------
+    def _poll_until(self, obj, targets, deadline, trace: list, give_up=None) -> str:
+        """Poll ``obj`` until its state name is in ``targets`` or the deadline passes.
+
+        ``give_up`` (optional, checked a few times a second) ends the wait early.
+        """
+        last = None
+        next_check = time.monotonic() + 0.25
+        while True:
+            name = self.ss.poll_name(obj.poll())
+            if name != last:
+                trace.append([name, round(_now(), 3)])
+                last = name
+            if name in targets:
+                return name
+            now = time.monotonic()
+            if now > deadline:
+                return name
+            if give_up is not None and now >= next_check:
+                next_check = now + 0.25
+                if give_up():
+                    return name
+            time.sleep(POLL_SLEEP_S)
+
+    def _decode_gave_up(self, room: int):
+        """For prefill: a check that says decode ended ``room`` a while ago.
+
+        A stock prefill whose transfer thread died never leaves WaitingForInput;
+        once decode has reached a final state for the room (its own timeout),
+        prefill stops waiting after ``PEER_GRACE_S`` instead of the full bound.
+        """
+        path = self.args.peer_result
+        if not path:
+            return None
+        seen = {"t": None}
+
+        def check() -> bool:
+            if seen["t"] is None:
+                try:
+                    with open(path) as f:
+                        peer = json.load(f)
+                except (OSError, ValueError):
+                    return False
+                final = any(r.get("room") == room and r.get("status") in FINAL for r in peer.get("requests", []))
+                if peer.get("done") or final:
+                    seen["t"] = time.monotonic()
+                return False
+            return time.monotonic() - seen["t"] >= PEER_GRACE_S
+
+        return check
+
+    def _state_lists(self, req, side: str):
+        kinds = [s.kind for s in req.state]
+        lists = [getattr(s, side) for s in req.state]
+        return self.ss.state_payload(kinds, lists)
+
+    def run_prefill(self, index: int, rec: Dict[str, Any]) -> None:
+        import numpy as np
+
+        req = self.scn.requests[index]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        sender = self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
+        rec["sender_class"] = self.ss.class_name(sender)
+        trace = rec["polls"]
+        give_up = self._decode_gave_up(rec["room"])
+        state = self._poll_until(sender, ("WaitingForInput",) + FINAL, deadline, trace, give_up)
+        if state != "WaitingForInput":
+            rec["status"] = state
+            return
+        src = list(req.src_kv_pages)
+        sender.init(len(src), req.aux_index)
+        chunks = _split(src, req.send_chunks)
+        t_send = time.monotonic()
+        for i, chunk in enumerate(chunks):
+            pages = np.asarray(chunk, dtype=np.int32)
+            if i == len(chunks) - 1:
+                sender.send(pages, state_indices=self._state_lists(req, "src_pages"))
+            else:
+                sender.send(pages)
+        rec["status"] = self._poll_until(sender, FINAL, deadline, trace, give_up)
+        rec["seconds"] = round(time.monotonic() - t_send, 4)
+
+    def run_decode(self, index: int, rec: Dict[str, Any]) -> None:
+        import numpy as np
+
+        req = self.scn.requests[index]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, self.bootstrap_addr, rec["room"])
+        rec["receiver_class"] = self.ss.class_name(receiver)
+        receiver.init(0)
+        trace = rec["polls"]
+        state = self._poll_until(receiver, ("WaitingForInput",) + FINAL, deadline, trace)
+        if state == "WaitingForInput":
+            t_send = time.monotonic()
+            receiver.send_metadata(
+                np.asarray(req.dst_kv_pages, dtype=np.int32),
+                req.decode_aux_index,
+                self._state_lists(req, "dst_pages"),
+            )
+            state = self._poll_until(receiver, FINAL, deadline, trace)
+            rec["seconds"] = round(time.monotonic() - t_send, 4)
+        rec["status"] = state
+        self.verify(index, rec)
+
+    def verify(self, index: int, rec: Dict[str, Any]) -> None:
+        from sglang_disagg_ext.harness import patterns
+
+        expected = patterns.expected_after_request(self.scn, index)
+        mismatches: List[str] = []
+        for pool in self.pools:
+            exp = expected[pool.pool_id]
+            for b, view in enumerate(pool.views):
+                actual = view.numpy()
+                mismatches += patterns.compare_buffer(actual, pool.pool_id, b, exp, f"{pool.name} buffer {b}")
+        rec["mismatches"] = mismatches
+        rec["bytes_verified"] = not mismatches
+        rec["expected_writes"] = {
+            expected[p.pool_id].name: len(expected[p.pool_id].writes) for p in self.pools
+        }
+
+    def run_requests(self) -> None:
+        for index in range(len(self.scn.requests)):
+            room = self.scn.room_of(index)
+            t0 = _now()
+            rec: Dict[str, Any] = {
+                "index": index,
+                "room": room,
+                "status": None,
+                "seconds": None,
+                "polls": [],
+                "error": None,
+            }
+            self.result["requests"].append(rec)
+            try:
+                if self.role == "prefill":
+                    self.run_prefill(index, rec)
+                else:
+                    self.run_decode(index, rec)
+            except Exception:
+                rec["error"] = traceback.format_exc(limit=8)[-4000:]
+            rec["timed_out"] = rec["status"] not in FINAL
+            rec["total_seconds"] = round(_now() - t0, 4)
+            if rec["status"] == "Failed" or rec["error"]:
+                rec["failure_reason"] = self.ss.failure_reason(self.mgr, room)
+            rec["log"] = self.logs.since(t0)
+            rec["thread_errors"] = self.thread_errors.since(t0)
+            self.write_result()
+
+    def main(self) -> int:
+        try:
+            self.setup()
+            self.write_result()
+            self.run_requests()
+            self.mark("requests_done")
+        except BaseException:
+            self.result["error"] = traceback.format_exc()[-6000:]
+            print(self.result["error"], file=sys.stderr, flush=True)
+        finally:
+            self.result["done"] = True
+            self.result["timings"]["total"] = round(_now(), 3)
+            self.write_result()
+        if self.role == "decode":
+            _touch(self.args.done_file)
+        else:
+            # Stay up (bootstrap server, status sync) until decode has finished.
+            limit = getattr(getattr(self, "scn", None), "timeouts", None)
+            wait_s = 5.0 if limit is None else limit.request_s + 5.0
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end and not os.path.exists(self.args.done_file):
+                time.sleep(0.05)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return 0
+
+
+class _Pool:
+    """A pool's buffers as uint8 views of shape (pages, item_bytes), checked against SGLang's pointers."""
+
+    def __init__(self, pool_id, name, tensors, ptrs, lens, item_lens):
+        import torch
+
+        if len(tensors) != len(ptrs):
+            raise RuntimeError(f"{name}: {len(tensors)} tensors but {len(ptrs)} registered pointers")
+        self.pool_id = pool_id
+        self.name = name
+        self.views = []
+        self.item_bytes = []
+        pages = set()
+        for t, ptr, ln, item in zip(tensors, ptrs, lens, item_lens):
+            if t.data_ptr() != ptr or t.nbytes != ln or ln % item:
+                raise RuntimeError(f"{name}: tensor/pointer mismatch ({t.data_ptr()} vs {ptr}, {t.nbytes} vs {ln})")
+            view = t.view(torch.uint8).reshape(ln // item, item)
+            self.views.append(view)
+            self.item_bytes.append(int(item))
+            pages.add(ln // item)
+        if len(pages) != 1:
+            raise RuntimeError(f"{name}: buffers disagree on page count: {sorted(pages)}")
+        self.num_pages = pages.pop()
+
+
+def _split(pages: list, n: int) -> List[list]:
+    n = max(1, min(n, len(pages))) if pages else 1
+    size, extra = divmod(len(pages), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(pages[start:end])
+        start = end
+    return out
+
+
+def _wait_port(host: str, port: int, deadline: float) -> None:
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bootstrap server did not listen on {host}:{port}")
+            time.sleep(0.05)
+
+
+def _touch(path: Optional[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--scenario", required=True, help="scenario JSON file")
+    p.add_argument("--backend", required=True, help="transfer backend name, e.g. mooncake or mooncake-ext")
+    p.add_argument("--bootstrap-port", type=int, required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--dist-init", required=True, help="torch.distributed init method (file://...)")
+    p.add_argument("--result", required=True)
+    p.add_argument("--done-file", required=True)
+    p.add_argument("--peer-result", default=None, help="prefill: decode's result file (ends hopeless waits early)")
+    p.add_argument("--load-plugin", choices=("auto", "yes", "no"), default="auto")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    worker = Worker(args)
+    logging.getLogger().addHandler(worker.logs)
+    rc = worker.main()
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    main()

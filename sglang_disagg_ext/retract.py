@@ -1,0 +1,349 @@
+"""F5: retract/resume state aliasing on the decode side.
+
+On SGLang 0.5.10.post1 and 0.5.11 a retracted decode request frees its slots,
+other requests reuse them, and the retracted request still points at them:
+
+* ``MetadataBuffers.get_buf(idx)`` returns *views* of the slot
+  (0.5.11 ``disaggregation/utils.py:244``), so a later ``set_buf`` on the reused
+  slot changes what the retracted request reads when it resumes.
+* ``NSATokenToKVPool`` (0.5.11 ``mem_cache/memory_pool.py:1862``) inherits
+  ``get_cpu_copy`` / ``load_cpu_copy`` from ``MLATokenToKVPool`` (:975, :993),
+  which offload and restore only ``kv_buffer``. The page-indexed
+  ``index_k_with_scale_buffer`` stays on the device, is overwritten by other
+  requests, and NSA attention reads garbage after resume. The inherited
+  ``_clear_buffers`` (:1570) leaves that buffer allocated.
+
+What this module installs (one function, :func:`install_retract_fixes`):
+
+* ``MetadataBuffers.get_buf`` returns copies (whatever fields the release's own
+  ``get_buf`` returns, each cloned).
+* ``NSATokenToKVPool.get_cpu_copy`` / ``load_cpu_copy`` offload and restore the
+  KV rows *and* the index-key pages of the request, per layer, in chunks of the
+  pool's own ``cpu_offloading_chunk_size`` (tokens for KV, whole pages for the
+  index keys). They take the base class's arguments in every release
+  (``(indices)`` in 0.5.10.post1, ``(indices, mamba_indices=None)`` in 0.5.11,
+  extra keywords tolerated) and return an :class:`NSACpuCopy`: a ``list`` laid
+  out exactly like the base class's return value (one list of KV chunks per
+  layer) that also carries the index-key chunks. Stock retract callers treat the
+  value as opaque (``Req.offload_kv_cache`` stores it, ``load_kv_cache`` hands it
+  back), and anything that reads it as the base layout still can.
+* They synchronise the pool's own device (``torch.<type>.synchronize``; nothing
+  on CPU) instead of calling ``torch.cuda.synchronize()`` unconditionally, so
+  they work on CPU, CUDA and other device pools.
+* ``NSATokenToKVPool._clear_buffers`` releases the index-key buffer too.
+
+The fix is a hook on the classes, not a subclass: SGLang builds the NSA pool in
+one place but checks ``isinstance(..., NSATokenToKVPool)`` in many (disagg
+prefill/decode, the NSA indexer), ``HiSparseNSATokenToKVPool`` subclasses it,
+and ``MetadataBuffers`` is built by both the prefill and the decode scheduler
+mixins. Patching the class reaches every construction site, every subclass
+that does not override the method itself (HiSparse keeps its own
+``NotImplementedError`` offload), and every module that imported the name.
+The originals are recorded, so :func:`uninstall_retract_fixes` (or
+:func:`retract_fixes`) restores stock behaviour in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang_disagg_ext.core.page_chunks import chunk_bounds, page_chunk_rows, page_starts, restore_bounds
+
+logger = logging.getLogger("sglang_disagg_ext")
+
+_EXT_MARK = "_sglang_disagg_ext_fix"
+_MISSING = object()
+
+# (class, attribute) -> what the class's own __dict__ held before we patched
+# (_MISSING when the attribute was inherited).
+_originals: Dict[Tuple[type, str], object] = {}
+
+
+# --------------------------------------------------------------------------
+# Device synchronisation
+# --------------------------------------------------------------------------
+
+
+def synchronize_device(device) -> None:
+    """Wait for pending work on ``device``: ``torch.<type>.synchronize(device)``.
+
+    Nothing to do for CPU (or meta) tensors. Backends whose ``synchronize``
+    takes no device argument (``torch.mps``) are called without one.
+    """
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    sync = getattr(backend, "synchronize", None)
+    if sync is None:
+        return
+    try:
+        sync(device)
+    except TypeError:
+        sync()
+
+
+def _pool_device(pool) -> torch.device:
+    return pool.kv_buffer[0].device
+
+
+# --------------------------------------------------------------------------
+# Chunked row offload / restore (per layer)
+# --------------------------------------------------------------------------
+
+
+def offload_rows(buffers: Sequence[torch.Tensor], rows, chunk_rows: int, layer_num: int) -> List[List[torch.Tensor]]:
+    """Copy ``buffers[layer][rows]`` to the host, per layer, ``chunk_rows`` rows at a time.
+
+    The device-side temporary is the gathered chunk, freed as soon as its host
+    copy is issued, so at most one chunk is in flight besides the result.
+    """
+    bounds = chunk_bounds(len(rows), chunk_rows)
+    out: List[List[torch.Tensor]] = []
+    for layer_id in range(layer_num):
+        buf = buffers[layer_id]
+        out.append([buf[rows[s:e]].to("cpu", non_blocking=True) for s, e in bounds])
+    return out
+
+
+def restore_rows(buffers: Sequence[torch.Tensor], stored: Sequence[Sequence[torch.Tensor]], rows, layer_num: int, what: str) -> None:
+    """Write stored host chunks back to ``buffers[layer][rows]``, following the stored chunking."""
+    if len(stored) != layer_num:
+        raise ValueError(f"{what}: stored copy has {len(stored)} layers, pool has {layer_num}")
+    n_rows = len(rows)
+    for layer_id in range(layer_num):
+        chunks = stored[layer_id]
+        buf = buffers[layer_id]
+        bounds = restore_bounds([c.shape[0] for c in chunks], n_rows)
+        for (s, e), chunk in zip(bounds, chunks):
+            # No name holds the device copy: it is freed after the write, so
+            # restore never keeps two chunks on the device.
+            buf[rows[s:e]] = chunk.to(buf.device, non_blocking=True)
+
+
+# --------------------------------------------------------------------------
+# The NSA pool's offload value
+# --------------------------------------------------------------------------
+
+
+class NSACpuCopy(list):
+    """Host copy of one request's NSA pool state.
+
+    The list itself is the base class's layout (``MLATokenToKVPool.get_cpu_copy``):
+    one list of KV chunks per layer. ``index_k`` holds the index-key/scale page
+    chunks in the same per-layer, per-chunk shape.
+    """
+
+    __slots__ = ("index_k",)
+
+    def __init__(self, kv: List[List[torch.Tensor]], index_k: List[List[torch.Tensor]]):
+        super().__init__(kv)
+        self.index_k = index_k
+
+    @property
+    def kv(self) -> List[List[torch.Tensor]]:
+        return list(self)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self for t in layer) + sum(t.nbytes for layer in self.index_k for t in layer)
+
+
+def _split_cpu_copy(value) -> Tuple[Sequence, Optional[Sequence]]:
+    """(kv chunks, index-key chunks or None) from any offload value we may be handed."""
+    if isinstance(value, NSACpuCopy):
+        return value, value.index_k
+    if isinstance(value, dict) and "kv" in value:  # upstream 0.5.12+ layout
+        return value["kv"], value.get("index_k")
+    return value, None  # the base layout: made before the fix was installed
+
+
+_warned_plain_copy = False
+
+
+# --------------------------------------------------------------------------
+# Fixed methods
+# --------------------------------------------------------------------------
+
+
+def offload_index_k(pool, indices) -> List[List[torch.Tensor]]:
+    """Host copy of the index-key pages under token ``indices``: per layer, in whole-page chunks."""
+    pages = page_starts(indices, pool.page_size)
+    rows = page_chunk_rows(pool.cpu_offloading_chunk_size, pool.page_size)
+    return offload_rows(pool.index_k_with_scale_buffer, pages, rows, pool.layer_num)
+
+
+def restore_index_k(pool, index_k: Sequence[Sequence[torch.Tensor]], indices) -> None:
+    """Write :func:`offload_index_k` chunks back to the pages under token ``indices``."""
+    pages = page_starts(indices, pool.page_size)
+    restore_rows(pool.index_k_with_scale_buffer, index_k, pages, pool.layer_num, "index_k_with_scale_buffer")
+
+
+def nsa_get_cpu_copy(self, indices, mamba_indices=None, **kwargs):
+    """Offload the request's KV rows and index-key pages to the host.
+
+    Same arguments as the base class in every release; ``mamba_indices`` and
+    other keywords are accepted and unused (an NSA pool holds no Mamba state;
+    the hybrid pool that does offloads it itself).
+    """
+    device = _pool_device(self)
+    synchronize_device(device)  # writes of the last forward pass must land first
+    kv = offload_rows(self.kv_buffer, indices, self.cpu_offloading_chunk_size, self.layer_num)
+    index_k = offload_index_k(self, indices)
+    synchronize_device(device)  # host copies complete before the caller frees the slots
+    return NSACpuCopy(kv, index_k)
+
+
+def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs):
+    """Restore what :func:`nsa_get_cpu_copy` offloaded into the request's new slots."""
+    global _warned_plain_copy
+    kv, index_k = _split_cpu_copy(kv_cache_cpu)
+    device = _pool_device(self)
+    synchronize_device(device)
+    restore_rows(self.kv_buffer, kv, indices, self.layer_num, "kv_buffer")
+    if index_k is None:
+        if not _warned_plain_copy:
+            _warned_plain_copy = True
+            logger.warning(
+                "sglang-disagg-ext F5: restoring an NSA offload made without the index-key "
+                "buffer (offloaded before the fix was installed); index keys not restored"
+            )
+    else:
+        restore_index_k(self, index_k, indices)
+    synchronize_device(device)  # host chunks stay alive until the copies are done
+
+
+def _nsa_clear_buffers(self):
+    """Release ``kv_buffer`` (base class) and ``index_k_with_scale_buffer``."""
+    cls = _nsa_pool_class()
+    super(cls, self)._clear_buffers()
+    if "index_k_with_scale_buffer" in self.__dict__:
+        del self.index_k_with_scale_buffer
+
+
+def metadata_get_buf(self, idx: int):
+    """The release's own ``get_buf`` fields, each one a copy instead of a view."""
+    original = _original_callable(_metadata_buffers_class(), "get_buf")
+    # Later releases return None for fields that are switched off; keep those.
+    return tuple(None if t is None else t.clone() for t in original(self, idx))
+
+
+# --------------------------------------------------------------------------
+# Install / uninstall
+# --------------------------------------------------------------------------
+
+
+def _nsa_pool_class() -> Optional[type]:
+    try:
+        from sglang.srt.mem_cache import memory_pool
+    except ImportError:
+        return None
+    return getattr(memory_pool, "NSATokenToKVPool", None)
+
+
+def _metadata_buffers_class() -> Optional[type]:
+    try:
+        from sglang.srt.disaggregation import utils
+    except ImportError:
+        return None
+    return getattr(utils, "MetadataBuffers", None)
+
+
+def _original_callable(cls: type, name: str):
+    """The stock implementation of ``cls.name`` (own or inherited), as a plain function."""
+    value = _originals.get((cls, name), _MISSING)
+    if value is _MISSING:
+        value = cls.__dict__.get(name, _MISSING)
+        if getattr(value, _EXT_MARK, False):
+            value = _MISSING
+    if value is not _MISSING:
+        return value
+    for base in cls.__mro__[1:]:
+        if name in base.__dict__:
+            return base.__dict__[name]
+    raise AttributeError(f"{cls.__name__}.{name}")
+
+
+def _mark(fn, name: str):
+    setattr(fn, _EXT_MARK, name)
+    return fn
+
+
+_mark(nsa_get_cpu_copy, "F5")
+_mark(nsa_load_cpu_copy, "F5")
+_mark(_nsa_clear_buffers, "F5")
+_mark(metadata_get_buf, "F5")
+
+
+def _targets() -> List[Tuple[type, str, object]]:
+    targets = []
+    nsa = _nsa_pool_class()
+    if nsa is not None:
+        targets += [
+            (nsa, "get_cpu_copy", nsa_get_cpu_copy),
+            (nsa, "load_cpu_copy", nsa_load_cpu_copy),
+            (nsa, "_clear_buffers", _nsa_clear_buffers),
+        ]
+    meta = _metadata_buffers_class()
+    if meta is not None and hasattr(meta, "get_buf"):
+        targets.append((meta, "get_buf", metadata_get_buf))
+    return targets
+
+
+def install_retract_fixes() -> List[str]:
+    """Install the F5 fixes on the SGLang classes that exist here. Idempotent.
+
+    Returns ``Class.method`` for every hook in place after the call. The
+    caller decides *whether* to install (``releases.current_policy().is_live("F5")``);
+    this function only patches what the installed release has.
+    """
+    installed = []
+    for cls, name, fn in _targets():
+        current = cls.__dict__.get(name, _MISSING)
+        if current is not fn:
+            _originals.setdefault((cls, name), current)
+            setattr(cls, name, fn)
+        installed.append(f"{cls.__name__}.{name}")
+    if installed:
+        logger.debug("sglang-disagg-ext F5 hooks: %s", ", ".join(installed))
+    return installed
+
+
+def uninstall_retract_fixes() -> None:
+    """Put back exactly what the classes held before :func:`install_retract_fixes`."""
+    for (cls, name), original in list(_originals.items()):
+        if original is _MISSING:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, original)
+    _originals.clear()
+
+
+def retract_fixes_installed() -> bool:
+    targets = _targets()
+    return bool(targets) and all(cls.__dict__.get(name) is fn for cls, name, fn in targets)
+
+
+@contextlib.contextmanager
+def retract_fixes(enabled: bool = True):
+    """Run a block with the F5 fixes installed (``enabled``) or with stock code.
+
+    Restores the previous state afterwards, so tests can compare stock and ext
+    in one process.
+    """
+    was_installed = retract_fixes_installed()
+    if enabled:
+        install_retract_fixes()
+    else:
+        uninstall_retract_fixes()
+    try:
+        yield
+    finally:
+        if was_installed:
+            install_retract_fixes()
+        else:
+            uninstall_retract_fixes()

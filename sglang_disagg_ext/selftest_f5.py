@@ -1,0 +1,492 @@
+"""F5 scenarios (retract/resume aliasing), stock vs ext, on real SGLang classes.
+
+Each scenario builds the real SGLang objects on CPU tensors and drives them
+through the real code path:
+
+* ``retract-resume``: a real ``NSATokenToKVPool`` and ``PagedTokenToKVPoolAllocator``;
+  request A is retracted with SGLang's own ``Req.offload_kv_cache`` (which calls
+  ``allocator.get_cpu_copy(...)`` exactly as the scheduler does), its pages are
+  freed and reused and overwritten by other requests, then A is resumed with
+  ``Req.load_kv_cache`` into newly allocated pages. After every resume, A's KV
+  rows and index-key pages must equal what they were before the retract.
+* ``metadata-get-buf``: a real ``MetadataBuffers``; A's buffers are taken with
+  ``get_buf``, the slot is reused by B through ``set_buf``, A's data must be
+  unchanged.
+* ``nsa-clear-buffers``: after ``_clear_buffers`` no index-key tensor of the pool
+  is referenced any more.
+
+Stock ``get_cpu_copy``/``load_cpu_copy`` call ``torch.cuda.synchronize()``
+unconditionally, which raises on a CPU-only torch. To run *stock* on a CPU pool,
+that one call is neutralised (a no-op) for the stock run only; the ext run
+neutralises nothing.
+
+``f5_rows()`` is what ``sglang-disagg-ext selftest`` shows for F5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import random
+import time
+import types
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.retract import retract_fixes
+
+PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
+
+
+# --------------------------------------------------------------------------
+# Building real SGLang objects on CPU
+# --------------------------------------------------------------------------
+
+
+def nsa_pool_class():
+    from sglang.srt.mem_cache import memory_pool
+
+    return getattr(memory_pool, "NSATokenToKVPool", None)
+
+
+def build_nsa_pool(layer_num: int = 3, num_pages: int = 16, device: str = "cpu", chunk_tokens: Optional[int] = None,
+                   kv_lora_rank: int = 64, qk_rope_head_dim: int = 64):
+    """A real ``NSATokenToKVPool`` with ``num_pages`` usable pages of 64 tokens."""
+    cls = nsa_pool_class()
+    if cls is None:
+        raise LookupError("this SGLang release has no NSATokenToKVPool")
+    pool = cls(
+        size=num_pages * PAGE_SIZE,
+        page_size=PAGE_SIZE,
+        kv_lora_rank=kv_lora_rank,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=qk_rope_head_dim,
+        layer_num=layer_num,
+        device=device,
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=kv_lora_rank + qk_rope_head_dim,
+    )
+    if chunk_tokens is not None:
+        pool.cpu_offloading_chunk_size = chunk_tokens  # the pool's own chunk size
+    return pool
+
+
+def build_allocator(pool, device: str = "cpu"):
+    """SGLang's paged allocator over ``pool``; freed pages are reused first (need_sort=False)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    return PagedTokenToKVPoolAllocator(
+        size=pool.size, page_size=pool.page_size, dtype=pool.dtype, device=device, kvcache=pool, need_sort=False
+    )
+
+
+@contextlib.contextmanager
+def stock_cuda_sync_neutralised(active: bool = True):
+    """Make ``torch.cuda.synchronize`` a no-op (stock offload on a CPU pool only)."""
+    if not active:
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a block with ``n`` intra-op threads: these scenarios move kilobytes, where
+    thread hand-off costs far more than it saves (20x slower on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _needs_neutralising(device: str) -> bool:
+    return torch.device(device).type == "cpu" and not torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------
+# Scenario: retract -> reuse -> resume
+# --------------------------------------------------------------------------
+
+
+def req_retract_methods():
+    """SGLang's own ``Req.offload_kv_cache`` / ``Req.load_kv_cache`` and where they came from.
+
+    Normally the methods of the imported ``Req`` class. Where ``schedule_batch``
+    cannot be imported on a CPU machine (0.5.10.post1 imports ``sgl_kernel`` at
+    module level through ``memory_pool_host``), the two methods are compiled
+    from that release's ``schedule_batch.py`` source, unchanged: they use
+    nothing but their arguments.
+    """
+    try:
+        from sglang.srt.managers.schedule_batch import Req
+    except ImportError as exc:
+        import ast
+        import importlib.util
+
+        spec = importlib.util.find_spec("sglang.srt.managers.schedule_batch")
+        source = open(spec.origin, encoding="utf-8").read()
+        tree = ast.parse(source)
+        wanted = {"offload_kv_cache", "load_kv_cache"}
+        defs = [
+            node
+            for cls in tree.body
+            if isinstance(cls, ast.ClassDef) and cls.name == "Req"
+            for node in cls.body
+            if isinstance(node, ast.FunctionDef) and node.name in wanted
+        ]
+        if {d.name for d in defs} != wanted:
+            raise LookupError(f"Req.offload_kv_cache/load_kv_cache not found in {spec.origin}") from exc
+        for d in defs:
+            d.decorator_list = []
+        namespace: Dict[str, object] = {}
+        module = ast.Module(body=defs, type_ignores=[])
+        exec(compile(module, spec.origin, "exec"), namespace)
+        origin = f"Req methods compiled from {spec.origin} ({type(exc).__name__} importing it: {exc})"
+        return namespace["offload_kv_cache"], namespace["load_kv_cache"], origin
+    return Req.offload_kv_cache, Req.load_kv_cache, "Req methods"
+
+
+@dataclasses.dataclass
+class RetractReport:
+    cycles: int = 0
+    kv_mismatch_cycles: int = 0
+    index_k_mismatch_cycles: int = 0
+    error: Optional[str] = None
+    first_failure: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.cycles > 0 and self.kv_mismatch_cycles == 0 and self.index_k_mismatch_cycles == 0
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class _RandomBytes:
+    """Random bytes without generating new ones per write: windows into one random block."""
+
+    def __init__(self, gen: torch.Generator, size: int = 1 << 20):
+        self.gen = gen
+        self.block = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)
+
+    def take(self, shape) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        if n > len(self.block):
+            return torch.randint(0, 256, tuple(shape), generator=self.gen, dtype=torch.uint8)
+        start = int(torch.randint(0, len(self.block) - n + 1, (1,), generator=self.gen))
+        return self.block[start : start + n].view(*shape)
+
+
+def _fill_random(pool, token_indices: torch.Tensor, rnd: _RandomBytes) -> None:
+    """Write random bytes into the KV rows and index-key pages of these tokens (all layers)."""
+    pages = token_indices[:: pool.page_size] // pool.page_size
+    for layer in range(pool.layer_num):
+        kv = pool.kv_buffer[layer].view(torch.uint8)
+        kv[token_indices] = rnd.take((len(token_indices),) + tuple(kv.shape[1:]))
+        ik = pool.index_k_with_scale_buffer[layer]
+        ik[pages] = rnd.take((len(pages),) + tuple(ik.shape[1:]))
+
+
+def _snapshot(pool, token_indices: torch.Tensor, n_tokens: int):
+    pages = token_indices[:n_tokens][::pool.page_size] // pool.page_size
+    kv = [_bytes(pool.kv_buffer[l][token_indices[:n_tokens]]).clone() for l in range(pool.layer_num)]
+    ik = [pool.index_k_with_scale_buffer[l][pages].clone() for l in range(pool.layer_num)]
+    return kv, ik
+
+
+def _pool_path_methods():
+    """Offload/restore by calling the pool directly, positional ``(indices)`` as upstream's own code does."""
+
+    def offload_kv_cache(req, req_to_token_pool, allocator):
+        indices = req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1]
+        req.kv_cache_cpu = allocator.get_kvcache().get_cpu_copy(indices)
+
+    def load_kv_cache(req, req_to_token_pool, allocator):
+        indices = req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1]
+        allocator.get_kvcache().load_cpu_copy(req.kv_cache_cpu, indices)
+        del req.kv_cache_cpu
+
+    return offload_kv_cache, load_kv_cache
+
+
+def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = "scheduler", max_pages_a: int = 4,
+                       max_pages_other: int = 4, max_others: int = 3) -> RetractReport:
+    """Retract request A, let others reuse its pages, resume A; check A's bytes each cycle.
+
+    ``path="scheduler"`` retracts and resumes through SGLang's ``Req`` methods and
+    the allocator (the call convention the scheduler uses); ``path="pool"`` calls
+    the pool's ``get_cpu_copy(indices)`` / ``load_cpu_copy(copy, indices)`` directly.
+    """
+    if path == "scheduler":
+        offload_kv_cache, load_kv_cache, _ = req_retract_methods()
+    elif path == "pool":
+        offload_kv_cache, load_kv_cache = _pool_path_methods()
+    else:
+        raise ValueError(f"path must be 'scheduler' or 'pool', not {path!r}")
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rnd = _RandomBytes(gen)
+    max_tokens = max_pages_a * pool.page_size
+    req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros((1, max_tokens), dtype=torch.int32))
+    report = RetractReport()
+    for cycle in range(cycles):
+        n_pages_a = rng.randint(1, max_pages_a)
+        n_tokens = rng.randint((n_pages_a - 1) * pool.page_size + 1, n_pages_a * pool.page_size)
+        # Req.offload_kv_cache offloads req_to_token[req_pool_idx, : seqlen - 1].
+        req_a = types.SimpleNamespace(req_pool_idx=0, seqlen=n_tokens + 1, mamba_pool_idx=None)
+        slots = allocator.alloc(n_pages_a * pool.page_size)
+        if slots is None:
+            report.error = f"cycle {cycle}: allocator out of pages for A"
+            return report
+        req_to_token_pool.req_to_token[0, : len(slots)] = slots.to(torch.int32)
+        _fill_random(pool, slots, rnd)
+        want_kv, want_ik = _snapshot(pool, slots, n_tokens)
+
+        # Retract A: SGLang's own offload path, then its pages go back to the allocator.
+        offload_kv_cache(req_a, req_to_token_pool, allocator)
+        allocator.free(slots)
+        if rng.random() < 0.5:  # fragment the free list
+            perm = torch.randperm(len(allocator.free_pages), generator=gen)
+            allocator.free_pages = allocator.free_pages[perm]
+
+        # Other requests reuse (and overwrite) the freed pages.
+        others = []
+        for _ in range(rng.randint(1, max_others)):
+            got = allocator.alloc(rng.randint(1, max_pages_other) * pool.page_size)
+            if got is None:
+                break
+            _fill_random(pool, got, rnd)
+            others.append(got)
+        # Some of them finish before A resumes, some are still running.
+        rng.shuffle(others)
+        n_finished = rng.randint(0, len(others))
+        for got in others[:n_finished]:
+            allocator.free(got)
+        others = others[n_finished:]
+
+        new_slots = allocator.alloc(n_pages_a * pool.page_size)
+        while new_slots is None and others:
+            allocator.free(others.pop())
+            new_slots = allocator.alloc(n_pages_a * pool.page_size)
+        if new_slots is None:
+            report.error = f"cycle {cycle}: allocator out of pages for resume"
+            return report
+        req_to_token_pool.req_to_token[0, : len(new_slots)] = new_slots.to(torch.int32)
+        load_kv_cache(req_a, req_to_token_pool, allocator)
+
+        got_kv, got_ik = _snapshot(pool, new_slots, n_tokens)
+        kv_ok = all(torch.equal(a, b) for a, b in zip(want_kv, got_kv))
+        ik_ok = all(torch.equal(a, b) for a, b in zip(want_ik, got_ik))
+        report.cycles += 1
+        if not kv_ok:
+            report.kv_mismatch_cycles += 1
+        if not ik_ok:
+            report.index_k_mismatch_cycles += 1
+        if (not kv_ok or not ik_ok) and report.first_failure is None:
+            report.first_failure = (
+                f"cycle {cycle}: {n_tokens} tokens on {n_pages_a} pages; "
+                f"kv {'ok' if kv_ok else 'CHANGED'}, index_k {'ok' if ik_ok else 'CHANGED'}"
+            )
+        allocator.free(new_slots)
+        for got in others:
+            allocator.free(got)
+    return report
+
+
+def retract_scenario(ext: bool, cycles: int = 100, seed: int = 0, device: str = "cpu", layer_num: int = 3,
+                     num_pages: int = 16, chunk_tokens: Optional[int] = None, path: str = "scheduler") -> RetractReport:
+    """Build a fresh pool and run the cycles with the fix installed (``ext``) or stock."""
+    pool = build_nsa_pool(layer_num=layer_num, num_pages=num_pages, device=device, chunk_tokens=chunk_tokens)
+    allocator = build_allocator(pool, device)
+    neutralise = (not ext) and _needs_neutralising(device)
+    with retract_fixes(enabled=ext), stock_cuda_sync_neutralised(neutralise), torch_threads(1):
+        try:
+            return run_retract_cycles(pool, allocator, cycles, seed=seed, path=path)
+        except Exception as e:  # a crash on the retract path is a failure, reported as such
+            return RetractReport(error=f"{type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------
+# Scenario: MetadataBuffers.get_buf
+# --------------------------------------------------------------------------
+
+
+def _meta_req(slot: int, value: int, hidden_size: int, room: int):
+    """What ``MetadataBuffers.set_buf`` reads from a ``Req`` (0.5.10.post1 - 0.5.23 field names)."""
+    logprob = types.SimpleNamespace(
+        output_token_logprobs_val=[-0.5 * value],
+        output_token_logprobs_idx=[value],
+        output_top_logprobs_val=[[-0.25 * value, -0.75 * value]],
+        output_top_logprobs_idx=[[value, value + 1]],
+    )
+    return types.SimpleNamespace(
+        metadata_buffer_index=slot,
+        output_ids=[value],
+        cached_tokens=value + 1,
+        cached_tokens_device=value + 2,
+        cached_tokens_host=value + 3,
+        cached_tokens_storage=value + 4,
+        return_logprob=True,
+        logprob=logprob,  # 0.5.13+ keeps the logprob fields here
+        **vars(logprob),  # ... earlier releases on the request itself
+        return_sampling_mask=False,
+        get_mm_token_counts=lambda: (0, 0, 0),
+        hidden_states_tensor=torch.full((hidden_size,), float(value)),
+        output_topk_p=torch.full((4,), 0.125 * value),
+        output_topk_index=torch.arange(4, dtype=torch.int64) + value,
+        output_dsa_topk_indices=None,
+        bootstrap_room=room,
+    )
+
+
+def _build_metadata_buffers(hidden_size: int):
+    import inspect
+
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    kwargs = dict(size=4, hidden_size=hidden_size, hidden_states_dtype=torch.float32)
+    if "max_sampling_mask_tokens" in inspect.signature(MetadataBuffers.__init__).parameters:
+        kwargs["max_sampling_mask_tokens"] = 16  # 0.5.13+; unused with sampling masks off
+    return MetadataBuffers(**kwargs)
+
+
+@dataclasses.dataclass
+class MetadataReport:
+    own_data_read: bool = False  # A's get_buf showed what A's set_buf wrote
+    unchanged_after_reuse: bool = False  # ... and still does after B reused the slot
+    error: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.own_data_read and self.unchanged_after_reuse
+
+
+def metadata_scenario(ext: bool, slot: int = 2, hidden_size: int = 24) -> MetadataReport:
+    report = MetadataReport()
+    with retract_fixes(enabled=ext):
+        try:
+            buffers = _build_metadata_buffers(hidden_size)
+            buffers.set_buf(_meta_req(slot, 7, hidden_size, room=1001))
+            taken = [t for t in buffers.get_buf(slot) if t is not None]  # held until the request resumes
+            hidden = [t for t in taken if t.shape == (hidden_size,) and t.is_floating_point()]
+            report.own_data_read = (
+                int(taken[0][0]) == 7 and int(taken[-1][0]) == 1001 and len(hidden) == 1 and bool((hidden[0] == 7.0).all())
+            )
+            before = [t.clone() for t in taken]
+            buffers.set_buf(_meta_req(slot, 42, hidden_size, room=2002))  # slot reused by B
+            report.unchanged_after_reuse = all(torch.equal(a, b) for a, b in zip(before, taken))
+        except Exception as e:
+            report.error = f"{type(e).__name__}: {e}"
+    return report
+
+
+# --------------------------------------------------------------------------
+# Scenario: NSA _clear_buffers
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ClearReport:
+    index_k_alive: int = -1
+    kv_alive: int = -1
+    error: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.index_k_alive == 0 and self.kv_alive == 0
+
+
+def clear_buffers_scenario(ext: bool, device: str = "cpu") -> ClearReport:
+    report = ClearReport()
+    with retract_fixes(enabled=ext):
+        try:
+            pool = build_nsa_pool(layer_num=3, num_pages=2, device=device)
+            ik_refs = [weakref.ref(t) for t in pool.index_k_with_scale_buffer]
+            kv_refs = [weakref.ref(t) for t in pool.kv_buffer]
+            pool._clear_buffers()
+            gc.collect()
+            report.index_k_alive = sum(r() is not None for r in ik_refs)
+            report.kv_alive = sum(r() is not None for r in kv_refs)
+            del pool
+        except LookupError:
+            raise
+        except Exception as e:
+            report.error = f"{type(e).__name__}: {e}"
+    return report
+
+
+# --------------------------------------------------------------------------
+# Rows for `sglang-disagg-ext selftest`
+# --------------------------------------------------------------------------
+
+
+def _word(passed: Optional[bool]) -> str:
+    return "n/a" if passed is None else ("pass" if passed else "fail")
+
+
+def _row(scenario: str, run: Callable[[bool], object], policy) -> Dict:
+    """Run ``scenario`` stock and ext; where F5 is upstream, stock is "n/a" and ext is the release's own code."""
+    t0 = time.perf_counter()
+    live = policy.is_live("F5")
+    notes: List[str] = []
+    stock = ext = None
+    try:
+        if live:
+            s, e = run(False), run(True)
+            stock, ext = s.passed, e.passed
+            for label, r in (("stock", s), ("ext", e)):
+                detail = getattr(r, "error", None) or getattr(r, "first_failure", None)
+                if detail:
+                    notes.append(f"{label}: {detail}")
+        else:
+            # The plugin installs nothing here: what users get is the release's code.
+            e = run(False)
+            ext = e.passed
+            detail = getattr(e, "error", None) or getattr(e, "first_failure", None)
+            if detail:
+                notes.append(f"release code: {detail}")
+    except LookupError as exc:  # the class does not exist in this release
+        notes.append(str(exc))
+        stock = ext = None
+    verified = ext is True and (stock is False if live else True)
+    return {
+        "scenario": scenario,
+        "fix": "F5",
+        "backend": "all",
+        "stock": _word(stock) if live else "n/a",
+        "ext": _word(ext),
+        "verified": verified,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "note": "; ".join(notes),
+    }
+
+
+def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]:
+    """F5 rows for the selftest table: each scenario run stock and ext in this process."""
+    policy = releases.current_policy()
+    rows = [
+        _row(
+            f"retract-resume NSA kv+index_k ({cycles} cycles)",
+            lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device),
+            policy,
+        ),
+        _row("metadata get_buf isolated from slot reuse", lambda ext: metadata_scenario(ext), policy),
+        _row("NSA _clear_buffers releases index_k", lambda ext: clear_buffers_scenario(ext, device=device), policy),
+    ]
+    return rows

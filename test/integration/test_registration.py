@@ -1,0 +1,288 @@
+"""The -ext names inside the installed SGLang: parsing, routing, and every backend-name check.
+
+These run SGLang's real argument parser and ServerArgs post-processing on CPU
+(a model directory holding only a config.json).
+"""
+
+import ast
+import importlib
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import sglang
+from sglang_disagg_ext import releases
+
+SGLANG_ROOT = pathlib.Path(sglang.__file__).parent
+
+# Places that compare the backend *string*, counted by hand in each wheel
+# (grep "disaggregation_transfer_backend" with ==, != or in). The scan below
+# must find at least these; more means a new site, which the test also covers.
+STRING_SITES_BY_RELEASE = {"0.5.10.post1": 6, "0.5.11": 7, "0.5.12.post1": 7, "0.5.23": 19}
+
+
+def _parse(args):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(args)
+    if hasattr(server_args, "resolve_once"):  # 0.5.23: launchers resolve after parsing
+        server_args.resolve_once()
+    return server_args
+
+
+def _server_args(tiny_model_dir, backend, mode="prefill"):
+    return _parse(
+        [
+            "--model-path", tiny_model_dir,
+            "--skip-tokenizer-init",
+            "--device", "cpu",
+            "--disaggregation-mode", mode,
+            "--disaggregation-transfer-backend", backend,
+        ]
+    )
+
+
+@pytest.fixture
+def loaded(clean_activation):
+    clean_activation.load_plugin()
+    return clean_activation
+
+
+@pytest.mark.timeout(30)
+def test_names_registered_once(loaded):
+    from sglang.srt import server_args
+
+    loaded.load_plugin()  # SGLang may load plugins more than once per process
+    for name in ("mooncake-ext", "nixl-ext", "mori-ext"):
+        assert server_args.DISAGG_TRANSFER_BACKEND_CHOICES.count(name) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_ext_name_parses_to_base_and_routes(loaded, tiny_model_dir, policy, mode):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    args = _server_args(tiny_model_dir, "mooncake-ext", mode)
+    assert args.disaggregation_transfer_backend == "mooncake"
+    assert os.environ[loaded.SELECTED_BACKEND_ENV] == "mooncake-ext"
+    manager = get_kv_class(TransferBackend(args.disaggregation_transfer_backend), KVClassType.MANAGER)
+    if policy.support is releases.Support.ACTIVE:
+        assert manager.__module__ == "sglang_disagg_ext.backends.mooncake"
+    else:
+        assert manager.__module__ == "sglang.srt.disaggregation.mooncake.conn"
+
+
+def _importers_of_routing_names():
+    """Modules of the installed SGLang that bind get_kv_class or TransferBackend by name."""
+    found = {}
+    for path in sorted(SGLANG_ROOT.rglob("*.py")):
+        text = path.read_text(errors="replace")
+        if "get_kv_class" not in text and "TransferBackend" not in text:
+            continue
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "sglang.srt.disaggregation.utils":
+                names = {a.name for a in node.names} & {"get_kv_class", "TransferBackend"}
+                if names:
+                    rel = path.relative_to(SGLANG_ROOT.parent).with_suffix("")
+                    found.setdefault(".".join(rel.parts), set()).update(names)
+    return found
+
+
+def _get_kv_class_backend_imports():
+    """Packages that the installed get_kv_class imports its classes from, at call time."""
+    tree = ast.parse((SGLANG_ROOT / "srt" / "disaggregation" / "utils.py").read_text())
+    bodies = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_kv_class"]
+    implementation = bodies[-1]  # the earlier ones are @overload stubs
+    return {
+        node.module
+        for node in ast.walk(implementation)
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+
+
+@pytest.mark.timeout(240)
+def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
+    """Scans the installed SGLang, so a new importer cannot be missed.
+
+    prefill.py / decode.py import GPU kernels (sgl_kernel) at module level and
+    cannot be imported on a CPU machine, so the proof is in two steps checked
+    on the installed sources: (1) every importer binds the very function object
+    ``sglang.srt.disaggregation.utils.get_kv_class`` (a from-import, never
+    redefined or reassigned in that module), and (2) that function imports its
+    classes from the backend package on each call, where the plugin routes them.
+    Then calling ``utils.get_kv_class`` here is calling it from every importer.
+    """
+    from sglang.srt.disaggregation import utils
+
+    importers = _importers_of_routing_names()
+    # These build managers in every release we support (read from the wheels).
+    assert {
+        "sglang.srt.disaggregation.prefill",
+        "sglang.srt.disaggregation.decode",
+        "sglang.srt.managers.disagg_service",
+    } <= set(importers)
+    for module_name in importers:
+        path = SGLANG_ROOT.parent / (module_name.replace(".", "/") + ".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("get_kv_class", "TransferBackend"):
+                pytest.fail(f"{module_name} defines its own {node.name}")
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id in ("get_kv_class", "TransferBackend"):
+                        pytest.fail(f"{module_name} rebinds {target.id}")
+
+    assert {
+        "sglang.srt.disaggregation.mooncake",
+        "sglang.srt.disaggregation.nixl",
+        "sglang.srt.disaggregation.mori",
+    } <= _get_kv_class_backend_imports()
+
+    args = _server_args(tiny_model_dir, "mooncake-ext")
+    backend = utils.TransferBackend(args.disaggregation_transfer_backend)
+    manager = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
+    expected = (
+        "sglang_disagg_ext.backends.mooncake"
+        if policy.support is releases.Support.ACTIVE
+        else "sglang.srt.disaggregation.mooncake.conn"
+    )
+    assert manager.__module__ == expected
+    # Sender, receiver and bootstrap server stay SGLang's for mooncake.
+    for kind in (utils.KVClassType.SENDER, utils.KVClassType.RECEIVER, utils.KVClassType.BOOTSTRAP_SERVER):
+        assert utils.get_kv_class(backend, kind).__module__ == "sglang.srt.disaggregation.mooncake.conn"
+
+
+class _BackendComparison(ast.NodeVisitor):
+    """Collects comparisons whose one side is `<x>.disaggregation_transfer_backend`."""
+
+    def __init__(self):
+        self.sites = []
+
+    def visit_Compare(self, node):
+        operands = [node.left, *node.comparators]
+        if len(operands) == 2 and any(
+            isinstance(o, ast.Attribute) and o.attr == "disaggregation_transfer_backend" for o in operands
+        ):
+            self.sites.append(node)
+        self.generic_visit(node)
+
+
+def _string_sites():
+    sites = []
+    for path in sorted(SGLANG_ROOT.rglob("*.py")):
+        text = path.read_text(errors="replace")
+        if "disaggregation_transfer_backend" not in text:
+            continue
+        visitor = _BackendComparison()
+        visitor.visit(ast.parse(text))
+        for node in visitor.sites:
+            sites.append((f"{path.relative_to(SGLANG_ROOT.parent)}:{node.lineno}", node))
+    return sites
+
+
+def _evaluate(node, backend_value):
+    """Evaluate a comparison site with the backend attribute bound to `backend_value`."""
+
+    class Bind(ast.NodeTransformer):
+        def visit_Attribute(self, attr):
+            if attr.attr == "disaggregation_transfer_backend":
+                return ast.copy_location(ast.Name(id="__backend__", ctx=ast.Load()), attr)
+            return self.generic_visit(attr)
+
+    expr = ast.Expression(Bind().visit(ast.parse(ast.unparse(node), mode="eval").body))
+    ast.fix_missing_locations(expr)
+    return eval(compile(expr, "<site>", "eval"), {"__backend__": backend_value})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ext_name,base", list(releases.EXT_BACKENDS.items()))
+def test_ext_name_takes_base_branch_at_every_string_site(loaded, tiny_model_dir, policy, ext_name, base):
+    sites = _string_sites()
+    expected_min = STRING_SITES_BY_RELEASE.get(policy.version)
+    if expected_min is not None:
+        assert len(sites) >= expected_min, [s for s, _ in sites]
+    assert sites
+    ext_value = _server_args(tiny_model_dir, ext_name).disaggregation_transfer_backend
+    loaded.deactivate()
+    base_value = _server_args(tiny_model_dir, base).disaggregation_transfer_backend
+    for where, node in sites:
+        try:
+            ext_branch = _evaluate(node, ext_value)
+        except NameError:
+            continue  # compares against another variable, not a literal: same value, same branch
+        assert ext_branch == _evaluate(node, base_value), where
+
+
+@pytest.mark.timeout(120)
+def test_enum_sites_take_base_branch(loaded, tiny_model_dir):
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    for ext_name, base in releases.EXT_BACKENDS.items():
+        value = _server_args(tiny_model_dir, ext_name).disaggregation_transfer_backend
+        assert TransferBackend(value) is TransferBackend(base)
+
+
+def _run(code, env=None, timeout=120):
+    full_env = dict(os.environ)
+    full_env.pop("SGLANG_DISAGG_EXT_BACKEND", None)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+_PARSE_VIA_SGLANG_LOADER = """
+import sys
+{load}
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(["--model-path", sys.argv[1] if len(sys.argv) > 1 else {model!r},
+    "--skip-tokenizer-init", "--device", "cpu", "--disaggregation-mode", "prefill",
+    "--disaggregation-transfer-backend", {backend!r}])
+if hasattr(args, "resolve_once"):
+    args.resolve_once()
+print("BACKEND=" + args.disaggregation_transfer_backend)
+"""
+
+
+def _loader_line(policy):
+    if policy.has_plugin_framework:
+        return "from sglang.srt.plugins import load_plugins; load_plugins()"
+    return "from sglang_disagg_ext.registration import load_plugin; load_plugin()"
+
+
+@pytest.mark.timeout(120)
+def test_unknown_ext_name_fails_at_parsing_listing_valid_names(tiny_model_dir, policy):
+    proc = _run(_PARSE_VIA_SGLANG_LOADER.format(load=_loader_line(policy), model=tiny_model_dir, backend="foo-ext"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "invalid choice: 'foo-ext'" in proc.stderr
+    for name in ("mooncake", "nixl", "mooncake-ext", "nixl-ext", "mori-ext"):
+        assert f"'{name}'" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sglang_plugins_whitelist_is_respected(tiny_model_dir, policy):
+    if not policy.has_plugin_framework:
+        # Nothing to whitelist: this release has no plugin loader at all, and
+        # the launcher (test_launcher.py) is how the plugin gets loaded.
+        assert importlib.util.find_spec("sglang.srt.plugins") is None
+        return
+    code = _PARSE_VIA_SGLANG_LOADER.format(load=_loader_line(policy), model=tiny_model_dir, backend="mooncake-ext")
+    excluded = _run(code, env={"SGLANG_PLUGINS": "some_other_plugin"})
+    assert excluded.returncode == 2 and "invalid choice: 'mooncake-ext'" in excluded.stderr
+    included = _run(code, env={"SGLANG_PLUGINS": "some_other_plugin,disagg_ext"})
+    assert included.returncode == 0, included.stderr[-2000:]
+    assert "BACKEND=mooncake" in included.stdout
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_release_is_a_clear_error_at_start(loaded, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(releases, "_current", releases.policy_for("0.5.9"))
+    with pytest.raises(releases.UnsupportedSGLangRelease, match=r"does not support SGLang 0\.5\.9; supported releases: 0\.5\.10\.post1"):
+        _server_args(tiny_model_dir, "mooncake-ext")
+    # The stock names keep working with the plugin installed.
+    assert _server_args(tiny_model_dir, "mooncake").disaggregation_transfer_backend == "mooncake"
