@@ -96,17 +96,34 @@ def _pool_device(pool) -> torch.device:
 # --------------------------------------------------------------------------
 
 
+def _wide_view(buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` reinterpreted with 8-byte elements when its rows allow it, else ``buf``.
+
+    Offload and restore move whole rows bit for bit; gathering a row of 8448
+    uint8 index-key bytes as 1056 int64 is several times faster on CPU, and no
+    slower on a GPU. Falls back to ``buf`` if the layout does not permit the view.
+    """
+    if buf.element_size() >= 8 or buf.dim() == 0:
+        return buf
+    try:
+        return buf.view(torch.int64)
+    except RuntimeError:
+        return buf
+
+
 def offload_rows(buffers: Sequence[torch.Tensor], rows, chunk_rows: int, layer_num: int) -> List[List[torch.Tensor]]:
     """Copy ``buffers[layer][rows]`` to the host, per layer, ``chunk_rows`` rows at a time.
 
-    The device-side temporary is the gathered chunk, freed as soon as its host
-    copy is issued, so at most one chunk is in flight besides the result.
+    Each stored chunk has the buffer's own dtype and row shape (the base class's
+    layout). The device-side temporary is the gathered chunk, dropped as soon as
+    its host copy is issued, so at most one chunk is in flight besides the result.
     """
     bounds = chunk_bounds(len(rows), chunk_rows)
     out: List[List[torch.Tensor]] = []
     for layer_id in range(layer_num):
         buf = buffers[layer_id]
-        out.append([buf[rows[s:e]].to("cpu", non_blocking=True) for s, e in bounds])
+        wide = _wide_view(buf)
+        out.append([wide.index_select(0, rows[s:e]).view(buf.dtype).to("cpu", non_blocking=True) for s, e in bounds])
     return out
 
 
@@ -118,11 +135,18 @@ def restore_rows(buffers: Sequence[torch.Tensor], stored: Sequence[Sequence[torc
     for layer_id in range(layer_num):
         chunks = stored[layer_id]
         buf = buffers[layer_id]
+        wide = _wide_view(buf)
         bounds = restore_bounds([c.shape[0] for c in chunks], n_rows)
         for (s, e), chunk in zip(bounds, chunks):
-            # No name holds the device copy: it is freed after the write, so
-            # restore never keeps two chunks on the device.
-            buf[rows[s:e]] = chunk.to(buf.device, non_blocking=True)
+            if chunk.dtype != buf.dtype or chunk.shape[1:] != buf.shape[1:]:
+                raise ValueError(
+                    f"{what}: stored chunk {tuple(chunk.shape)} {chunk.dtype} does not fit rows "
+                    f"{tuple(buf.shape[1:])} {buf.dtype}"
+                )
+            src = chunk.to(buf.device, non_blocking=True).contiguous().view(wide.dtype)
+            wide.index_copy_(0, rows[s:e].long(), src)
+            # Drop the device copy now, so restore never holds two chunks on the device.
+            del src
 
 
 # --------------------------------------------------------------------------

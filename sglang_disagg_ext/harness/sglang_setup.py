@@ -159,10 +159,10 @@ def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype) ->
     """
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    set_global_server_args_for_scheduler(server_args)
     if _has_runtime_context():
         _init_runtime_context(server_args, dist_init_method)
         return
+    set_global_server_args_for_scheduler(server_args)
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
@@ -179,10 +179,27 @@ def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype) ->
     initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
 
 
-def _init_runtime_context(server_args, dist_init_method: str) -> None:  # pragma: no cover - 0.5.23 only
-    raise NotImplementedError(
-        f"harness: SGLang {sglang_version()} (runtime_context) is not wired yet"
+def _init_runtime_context(server_args, dist_init_method: str) -> None:
+    """0.5.2x: publish the config with a rank placement, then real one-rank groups.
+
+    Mirrors ``managers/scheduler.py::run_scheduler_process`` (publish with
+    ``SpawnRanks``) and ``distributed/bootstrap.py::_init_parallel_groups``
+    (0.5.23 :304), whose widths come from the published context.
+    """
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+    rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    ps.init_distributed_environment(
+        backend="gloo",
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=dist_init_method,
     )
+    ps.initialize_model_parallel()
+    initialize_dp_attention(server_args=server_args)
 
 
 def init_shared_engines(server_args) -> List[str]:
@@ -319,23 +336,44 @@ def fill_kv_args(
     kv_pool,
     meta,
     components: Sequence[StateComponent],
+    num_layers: int,
     total_kv_heads: int,
 ) -> Dict[str, Any]:
     """Fill ``kv_args`` the way the release's prefill/decode ``_init_kv_manager`` does.
 
+    Fields a release does not declare on ``KVArgs`` are not set. Per-component
+    releases get their defaults from the release's own ``setup_state_kv_args``
+    (the KV pool has no state of its own, so it registers none), then each
+    scenario component is added with the release's ``append_state_component``.
     Returns a short description of what was registered (for the result).
     """
+    from sglang.srt.disaggregation import utils as dutils
+
     fields = _kv_args_fields(kv_args)
     kv_args.engine_rank = 0
     kv_args.pp_rank = 0
     kv_args.system_dp_rank = 0
+    if "kv_cache_dtype_str" in fields:  # 0.5.2x
+        kv_args.kv_cache_dtype_str = server_args.kv_cache_dtype
+    if "kv_layout" in fields:
+        kv_args.kv_layout = dutils.get_pd_kv_layout(kv_pool) if hasattr(dutils, "get_pd_kv_layout") else None
+    if "rust_http_port" in fields and role == "prefill":
+        kv_args.rust_http_port = None
     if role == "prefill":
         kv_args.prefill_start_layer = kv_pool.start_layer
-        if "prefill_end_layer" in fields:
-            kv_args.prefill_end_layer = getattr(kv_pool, "end_layer", None)
         if "mla_compression_ratios" in fields:
             kv_args.mla_compression_ratios = None
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = kv_pool.get_contiguous_buf_infos()
+    buf_infos = getattr(dutils, "get_kv_transfer_buf_infos", None)
+    ptrs, lens, items = buf_infos(kv_pool) if buf_infos else kv_pool.get_contiguous_buf_infos()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
+    if role == "prefill" and "prefill_end_layer" in fields:
+        kv_args.prefill_end_layer = getattr(kv_pool, "end_layer", None)
+    if "num_draft_entries" in fields:
+        kv_args.num_draft_entries = 0
+    if "kv_layer_ids" in fields and hasattr(dutils, "build_kv_layer_ids"):
+        kv_args.kv_layer_ids = dutils.build_kv_layer_ids(
+            token_to_kv_pool=kv_pool, draft_token_to_kv_pool=None, num_draft_entries=0, num_hidden_layers=num_layers
+        )
     if role == "prefill":  # non-MLA prefill only, as in prefill.py
         kv_args.kv_head_num = kv_pool.head_num
         kv_args.total_kv_head_num = total_kv_heads
@@ -363,13 +401,9 @@ def fill_kv_args(
             kv_args.state_type = "none"
         registered = [str(kv_args.state_type)]
     else:
-        from sglang.srt.disaggregation import utils as dutils
-
-        kv_args.state_types = []
-        kv_args.state_data_ptrs = []
-        kv_args.state_data_lens = []
-        kv_args.state_item_lens = []
-        kv_args.state_dim_per_tensor = []
+        dutils.setup_state_kv_args(kv_args, kv_pool, None, num_layers, req_to_token_pool=None)
+        if kv_args.state_types:
+            raise RuntimeError(f"the plain KV pool registered state components: {kv_args.state_types}")
         for c in components:
             dutils.append_state_component(
                 kv_args, state_type_for(c.kind), list(c.ptrs), list(c.lens), list(c.item_lens)

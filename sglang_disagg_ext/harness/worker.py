@@ -151,7 +151,8 @@ class Worker:
 
         kv_args = self.classes["kvargs"]()
         self.result["kv_args"] = ss.fill_kv_args(
-            kv_args, self.role, sa, self.kv_pool, self.meta, self.state_components, self.scn.kv.head_num
+            kv_args, self.role, sa, self.kv_pool, self.meta, self.state_components, self.scn.num_layers,
+            self.scn.kv.head_num,
         )
         self.mgr = ss.make_manager(self.classes["manager"], kv_args, self.role, sa)
         self.result["manager_class"] = ss.class_name(self.mgr)
