@@ -32,6 +32,7 @@ test-all:
 
 demo: setup
 	$(VENV)/bin/sglang-disagg-ext doctor
+	$(VENV)/bin/sglang-disagg-ext selftest
 
 doctor: setup
 	$(VENV)/bin/sglang-disagg-ext doctor

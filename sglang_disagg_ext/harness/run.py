@@ -33,7 +33,7 @@ LOG_TAIL_CHARS = 6000
 _AVOID = (12000, 17999)
 _KEEP_ENV = "SGLANG_HARNESS_KEEP"
 # Env that must not leak from the parent into stock runs (registration.py).
-_STRIP_ENV = ("SGLANG_DISAGG_EXT_BACKEND",)
+_STRIP_ENV = ("SGLANG_DISAGG_EXT_BACKEND", "SGLANG_HARNESS_TAMPER")
 
 
 @dataclasses.dataclass

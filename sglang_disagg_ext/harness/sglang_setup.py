@@ -301,25 +301,30 @@ class StateComponent:
     item_lens: List[int]
 
 
+# Per-component releases: the StateType member each scenario kind maps to, in
+# order of preference. 0.5.13+ renamed NSA to DSA (``StateType.DSA``); no
+# release has a DSv4 member and 0.5.12 registers the DeepSeek-V4 pool as a SWA
+# component (``setup_state_kv_args``).
+_STATE_TYPE_CANDIDATES = {"nsa": ("nsa", "dsa"), "dsv4": ("dsv4", "swa")}
+
+
 def state_type_for(kind: str):
     """The value a release's KVArgs carries for a state kind.
 
     Flat releases carry the string itself (``"dsv4"`` included: stock flat
     ``maybe_send_extra`` has no branch for it). Per-component releases carry a
-    ``StateType``; no release has a DSv4 member, and 0.5.12 registers the
-    DeepSeek-V4 pool as a SWA component (``setup_state_kv_args``), so dsv4 maps
-    to ``StateType.SWA`` there unless the enum has its own member.
+    ``StateType`` member (see ``_STATE_TYPE_CANDIDATES``).
     """
     if is_flat():
         return kind
     from sglang.srt.disaggregation.base.conn import StateType
 
-    try:
-        return StateType(kind)
-    except ValueError:
-        if kind == "dsv4":
-            return StateType.SWA
-        raise
+    for value in _STATE_TYPE_CANDIDATES.get(kind, (kind,)):
+        try:
+            return StateType(value)
+        except ValueError:
+            continue
+    raise ValueError(f"SGLang {sglang_version()} has no StateType for state kind {kind!r}")
 
 
 def _kv_args_fields(kv_args) -> set:

@@ -31,6 +31,7 @@ T_START = time.monotonic()
 POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
 PEER_GRACE_S = 2.0
+TAMPER_ENV = "SGLANG_HARNESS_TAMPER"
 MAX_LOG_LINES_PER_REQUEST = 30
 MAX_LOG_LINE = 600
 
@@ -333,7 +334,23 @@ class Worker:
             state = self._poll_until(receiver, FINAL, deadline, trace)
             rec["seconds"] = round(time.monotonic() - t_send, 4)
         rec["status"] = state
+        self._maybe_tamper(rec)
         self.verify(index, rec)
+
+    def _maybe_tamper(self, rec: Dict[str, Any]) -> None:
+        """Self-test hook: ``SGLANG_HARNESS_TAMPER=<pool name>:<page>`` flips one
+        byte of that decode page (buffer 0) before verification, to show the
+        verification sees a single wrong byte. Never set outside harness tests."""
+        spec = os.environ.get(TAMPER_ENV)
+        if not spec:
+            return
+        name, _, page = spec.rpartition(":")
+        for pool in self.pools:
+            if pool.name == name:
+                pool.views[0][int(page), 0] ^= 0xFF
+                rec["tampered"] = spec
+                return
+        raise ValueError(f"{TAMPER_ENV}={spec!r}: no pool named {name!r}")
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:
         from sglang_disagg_ext.harness import patterns

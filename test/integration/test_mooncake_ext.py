@@ -1,0 +1,67 @@
+"""F1/F2 differential tests on the real Mooncake engine (TCP, 127.0.0.1).
+
+Each scenario runs twice through the transfer harness: prefill and decode are
+two processes with SGLang's real bootstrap server, managers, senders and
+receivers, CPU tensors as pools and a real Mooncake TransferEngine. Decode
+checks every destination page byte for byte and that every other page still
+holds its sentinel. Nothing is replaced.
+
+Where the installed release has the bug (``releases.py``: live) stock must
+fail and ext must pass; where the release has the fix, both must pass.
+"""
+
+import pytest
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.harness.run import run_scenario
+from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+
+pytestmark = pytest.mark.engine
+
+POLICY = releases.current_policy()
+SCENARIOS = scenarios_for(POLICY) if POLICY.support is releases.Support.ACTIVE else []
+
+
+def _run(builtin, backend):
+    result = run_scenario(builtin.build(POLICY), backend)
+    return builtin.evaluate(result), result
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_stock_vs_ext(builtin):
+    stock_expected = builtin.stock_expectation(POLICY)
+    stock_ok, stock = _run(builtin, "mooncake")
+    ext_ok, ext = _run(builtin, "mooncake-ext")
+
+    assert ext.prefill_manager and ext.prefill_manager.startswith("sglang_disagg_ext.backends.mooncake."), ext.describe()
+    assert stock.prefill_manager and stock.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), stock.describe()
+    assert ext_ok, ext.describe()
+    # Both sides reach a final state within the bound, with ext.
+    assert all(not r.timed_out for r in ext.requests), ext.describe()
+    if stock_expected == "fail":
+        assert not stock_ok, f"stock SGLang {POLICY.version} passed a scenario it should fail:\n{stock.describe()}"
+    else:
+        assert stock_ok, stock.describe()
+
+
+@pytest.mark.timeout(400)
+def test_ext_serves_many_requests_with_mixed_lengths():
+    """Several requests in a row on one manager pair, lengths in both directions."""
+    from sglang_disagg_ext.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec
+
+    kind = "swa"
+    requests = [
+        RequestSpec([1, 2], [3, 4], aux_index=0, dst_aux_index=0, state=[StateSpec(kind, [1, 2, 3, 4, 5], [6, 7, 8])]),
+        RequestSpec([5, 6], [7, 8], aux_index=1, dst_aux_index=1, state=[StateSpec(kind, [9, 10], [11, 12, 13])]),
+        RequestSpec([9], [10], aux_index=2, dst_aux_index=2, state=[StateSpec(kind, [14], [15])]),
+        RequestSpec([11], [12], aux_index=3, dst_aux_index=3, state=[StateSpec(kind, [], [0])]),
+    ]
+    scenario = Scenario(
+        name="four requests, mixed lengths",
+        requests=requests,
+        kv=KVPoolSpec(num_pages=14),
+        state_pools=[StatePoolSpec(kind=kind, num_pages=16)],
+    )
+    result = run_scenario(scenario, "mooncake-ext")
+    assert result.ok, result.describe()
