@@ -218,3 +218,113 @@ def compare_buffer(
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching pages not listed")
     return problems
+
+
+# -- KV heads over several TP ranks (multi-rank scenarios) ----------------------
+#
+# A page of a KV buffer is ``page_size`` token rows; a token row is the heads a
+# rank holds, ``head_bytes`` each. The *model's* page of buffer ``b`` (all H
+# heads, token-major then head) is ``page_bytes(KV_POOL_ID, b, page, page_size
+# * H * head_bytes)``; a rank's page is that page with only its heads kept. So a
+# rank holding every head (TP 1) has exactly the single-rank pattern, replicas
+# of a head hold identical bytes on every rank, and the bytes decode must hold
+# follow from which global heads each rank holds. Head placement below is
+# SGLang's QKV weight sharding, written out independently of the plugin:
+# H >= TP: rank r holds heads [r*H/TP, (r+1)*H/TP); H < TP: each head is on
+# TP/H consecutive ranks, rank r holds head r // (TP/H).
+
+
+def rank_kv_heads(total_heads: int, tp_size: int, rank: int) -> List[int]:
+    """Global KV heads held by TP rank ``rank`` (raises for a layout SGLang cannot shard)."""
+    if total_heads < 1 or tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"bad layout: {total_heads} heads, TP {tp_size}, rank {rank}")
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise ValueError(f"{total_heads} heads do not split over TP {tp_size}")
+        per = total_heads // tp_size
+        return list(range(rank * per, (rank + 1) * per))
+    if tp_size % total_heads:
+        raise ValueError(f"{total_heads} heads do not replicate evenly over TP {tp_size}")
+    return [rank // (tp_size // total_heads)]
+
+
+def heads_per_rank(total_heads: int, tp_size: int) -> int:
+    """KV heads in one rank's pool (SGLang: ``max(1, H // TP)``)."""
+    return max(1, total_heads // tp_size)
+
+
+def kv_rank_pages(
+    buffer: int, pages: Sequence[int], page_size: int, total_heads: int, head_bytes: int, heads: Sequence[int]
+) -> np.ndarray:
+    """uint8[len(pages), page_size * len(heads) * head_bytes]: those pages as a rank holding ``heads`` has them."""
+    full = _pattern(KV_POOL_ID, buffer, np.asarray(pages), page_size * total_heads * head_bytes)
+    full = full.reshape(len(pages), page_size, total_heads, head_bytes)
+    return np.ascontiguousarray(full[:, :, list(heads), :]).reshape(len(pages), -1)
+
+
+def kv_rank_buffer(
+    buffer: int, num_pages: int, page_size: int, total_heads: int, head_bytes: int, heads: Sequence[int]
+) -> np.ndarray:
+    """A whole KV buffer of one rank: uint8[num_pages, page_size * len(heads) * head_bytes]."""
+    return kv_rank_pages(buffer, range(num_pages), page_size, total_heads, head_bytes, heads)
+
+
+def compare_kv_rank_buffer(
+    actual: np.ndarray,
+    buffer: int,
+    expectation: PoolExpectation,
+    *,
+    num_layers: int,
+    page_size: int,
+    total_heads: int,
+    head_bytes: int,
+    heads: Sequence[int],
+    dtype_size: int,
+    label: str,
+) -> List[str]:
+    """Check one decode KV buffer of a multi-rank run; return mismatch lines.
+
+    Every written element is compared; a wrong element is reported as
+    (K/V, layer, page, token, global head, dim) with what it holds instead.
+    """
+    actual = np.asarray(actual, dtype=np.uint8)
+    kv, layer = ("K", buffer) if buffer < num_layers else ("V", buffer - num_layers)
+    problems: List[str] = []
+    skipped = 0
+
+    def add(msg):
+        nonlocal skipped
+        if len(problems) < MAX_MISMATCHES_PER_BUFFER:
+            problems.append(msg)
+        else:
+            skipped += 1
+
+    if expectation.writes:
+        dst = np.asarray(sorted(expectation.writes), dtype=np.int64)
+        src = [expectation.writes[d] for d in dst.tolist()]
+        want = kv_rank_pages(buffer, src, page_size, total_heads, head_bytes, heads)
+        got = actual[dst]
+        if got.shape != want.shape:
+            return [f"{label}: page rows of {got.shape[1]} bytes, expected {want.shape[1]}"]
+        shape = (len(dst), page_size, len(heads), head_bytes)
+        bad = np.argwhere(got.reshape(shape) != want.reshape(shape))
+        seen = set()
+        for i, tok, h, byte in bad.tolist():
+            key = (i, tok, h, byte // dtype_size)
+            if key in seen:
+                continue
+            seen.add(key)
+            cell = got.reshape(shape)[i, tok, h, (byte // dtype_size) * dtype_size : (byte // dtype_size + 1) * dtype_size]
+            what = "the sentinel" if np.all(cell == SENTINEL) else "other bytes"
+            add(
+                f"{label} ({kv} layer {layer}) page {int(dst[i])} token {tok} head {heads[h]} dim "
+                f"{byte // dtype_size}: expected prefill page {src[i]}'s element, found {what}"
+            )
+    if expectation.sentinel_pages:
+        rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)
+        dirty = rows[~np.all(actual[rows] == SENTINEL, axis=1)]
+        for p in dirty.tolist():
+            add(f"{label} ({kv} layer {layer}) page {p}: must be untouched, found written bytes")
+    if skipped:
+        problems.append(f"{label}: {skipped} more mismatching elements not listed")
+    return problems

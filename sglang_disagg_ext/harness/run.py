@@ -52,6 +52,7 @@ class RequestResult:
     prefill_log: List[str] = dataclasses.field(default_factory=list)  # WARNING+ records during the request
     decode_log: List[str] = dataclasses.field(default_factory=list)
     thread_errors: List[str] = dataclasses.field(default_factory=list)
+    rank_status: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)  # multi-rank: per rank
 
     @property
     def success(self) -> bool:
@@ -298,6 +299,7 @@ def run_scenario(
     keep_dir: Optional[bool] = None,
     extra_env: Optional[Dict[str, str]] = None,
     workdir: Optional[str] = None,
+    decode_backend: Optional[str] = None,
 ) -> ScenarioResult:
     """Run ``scenario`` prefill -> decode through ``backend`` in two child processes.
 
@@ -308,9 +310,18 @@ def run_scenario(
     the SGLang release) the children run; default ``sys.executable``.
     ``timeout_s`` bounds the whole run (default from the scenario's timeouts).
     ``keep_dir``: keep the run directory (logs, results); default: only when
-    ``$SGLANG_HARNESS_KEEP`` is set.
+    ``$SGLANG_HARNESS_KEEP`` is set. ``decode_backend``: a different backend
+    name for the decode child (mixed-peer runs, e.g. ``mori-ext`` prefill with
+    a stock ``mori`` decode); default ``backend``.
     """
     scenario.validate()
+    if getattr(scenario, "multi_rank", False):  # prefill_tp / decode_tp > 1: one process per rank
+        from .ranks import run_ranks
+
+        return run_ranks(
+            scenario, backend, timeout_s, load_plugin=load_plugin, python=python, keep_dir=keep_dir,
+            extra_env=extra_env, workdir=workdir, decode_backend=decode_backend,
+        )
     timeout_s = default_timeout(scenario) if timeout_s is None else float(timeout_s)
     if keep_dir is None:
         keep_dir = bool(os.environ.get(_KEEP_ENV))
@@ -338,20 +349,21 @@ def run_scenario(
                 exe, "-m", "sglang_disagg_ext.harness.worker",
                 "--role", role,
                 "--scenario", scn_path,
-                "--backend", backend,
+                "--backend", decode_backend if role == "decode" and decode_backend else backend,
                 "--bootstrap-port", str(port),
                 "--model-dir", model_dir,
                 "--dist-init", "file://" + os.path.join(run_dir, f"{role}.dist"),
                 "--result", os.path.join(run_dir, f"{role}.json"),
                 "--done-file", done_file,
                 "--load-plugin", load_plugin,
+                "--max-seconds", str(round(timeout_s + 15.0, 1)),
             ]
             if role == "prefill":
                 cmd += ["--peer-result", os.path.join(run_dir, "decode.json")]
             children[role] = _Child(role, cmd, env, os.path.join(run_dir, f"{role}.log"), run_dir)
 
-        _wait_children(children, run_dir, deadline)
-        if any(c.poll() is None for c in children.values()):
+        _wait_children(children, run_dir, deadline, scenario)
+        if time.monotonic() >= deadline and any(c.poll() is None for c in children.values()):
             result.error = f"harness deadline of {timeout_s:.0f}s passed; children killed"
     except BaseException as e:  # includes KeyboardInterrupt: still kill below
         result.error = f"{type(e).__name__}: {e}"
@@ -375,20 +387,32 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
 
 
-def _wait_children(children: Dict[str, _Child], run_dir: str, deadline: float) -> None:
-    """Wait for both children; stop early when prefill died during setup."""
-    prefill_dead_since = None
+def _wait_children(children: Dict[str, _Child], run_dir: str, deadline: float, scn: Scenario) -> None:
+    """Wait for both children, bounded by ``deadline``; stop early when one side
+    is gone and the other can only wait out its own timeouts.
+
+    * prefill gone before decode finished: decode can still finish what is in
+      flight, so it gets SGLang's waiting timeout plus a margin (3 s when the
+      prefill never got to its requests);
+    * decode gone first: nobody consumes prefill's work; 3 s.
+    """
+    gone_since: Dict[str, float] = {}
     while time.monotonic() < deadline:
         states = {role: c.poll() for role, c in children.items()}
         if all(v is not None for v in states.values()):
             return
-        if states["prefill"] is not None and states["decode"] is None:
+        now = time.monotonic()
+        for role, rc in states.items():
+            if rc is not None:
+                gone_since.setdefault(role, now)
+        if "decode" in gone_since and states["prefill"] is None:
+            if now - gone_since["decode"] > 3.0:
+                return
+        if "prefill" in gone_since and states["decode"] is None:
             res = _read_json(os.path.join(run_dir, "prefill.json")) or {}
-            if res.get("error") and not res.get("requests"):
-                # Decode would only wait out its startup bound for a prefill that is gone.
-                prefill_dead_since = prefill_dead_since or time.monotonic()
-                if time.monotonic() - prefill_dead_since > 3.0:
-                    return
+            grace = 3.0 if not res.get("requests") else scn.timeouts.sglang_waiting_s + 5.0
+            if now - gone_since["prefill"] > grace:
+                return
         time.sleep(0.05)
 
 

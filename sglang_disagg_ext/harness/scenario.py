@@ -136,6 +136,16 @@ class Scenario:
     hidden_size: int = 64
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
     room_base: int = 1000
+    # Attention TP sizes (one process per rank). With either above 1,
+    # ``kv.head_num`` is the model's total KV-head count and each rank's KV
+    # pool holds its share (see ``patterns.rank_kv_heads``); run_scenario
+    # then runs the topology through ``harness.ranks``.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.prefill_tp > 1 or self.decode_tp > 1
 
     # -- derived -------------------------------------------------------------
     def room_of(self, index: int) -> int:
@@ -160,6 +170,7 @@ class Scenario:
                 )
             if pool.num_pages < 1 or pool.num_layers < 1:
                 raise ScenarioError(f"{self.name}: state pool {i} needs num_pages, num_layers >= 1")
+        _check_ranks(self)
         rooms = set()
         for r, req in enumerate(self.requests):
             room = self.room_of(r)
@@ -211,6 +222,15 @@ class Scenario:
     @classmethod
     def from_json(cls, text: str) -> "Scenario":
         return cls.from_dict(json.loads(text))
+
+
+def _check_ranks(scn: Scenario) -> None:
+    for side in ("prefill_tp", "decode_tp"):
+        value = getattr(scn, side)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScenarioError(f"{scn.name}: {side} must be an int >= 1, got {value!r}")
+    if scn.multi_rank and scn.state_pools:
+        raise ScenarioError(f"{scn.name}: multi-rank scenarios carry KV and aux only (no state pools)")
 
 
 def _check_pages(scn: Scenario, label: str, pages, num_pages: int) -> None:

@@ -136,10 +136,12 @@ def load_plugin(mode: str, backend: str) -> Optional[str]:
 # -- server args, groups, engines ---------------------------------------------------------
 
 
-def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: int, page_size: int):
+def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: int, page_size: int, tp_size: int = 1):
     from sglang.srt.server_args import ServerArgs
 
+    extra = {"tp_size": tp_size} if tp_size != 1 else {}  # multi-rank scenarios (harness.ranks)
     return ServerArgs(
+        **extra,
         model_path=model_dir,
         skip_tokenizer_init=True,
         device="cpu",
@@ -151,15 +153,19 @@ def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: in
     )
 
 
-def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype) -> None:
+def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype, rank: int = 0, world_size: int = 1) -> None:
     """One-rank process groups, as a TP=1 scheduler has them.
 
     Every release's ``CommonKVManager`` reads the attention TP/CP/DP getters and
     (prefill) ``get_pp_group()``, which assert unless real groups exist.
+    With ``world_size`` > 1 (multi-rank scenarios): this process is TP rank
+    ``rank`` of a real gloo group of that size, one process per rank.
     """
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     if _has_runtime_context():
+        if world_size != 1:
+            raise NotImplementedError("multi-rank harness runs need a release without runtime_context (<= 0.5.12)")
         _init_runtime_context(server_args, dist_init_method)
         return
     set_global_server_args_for_scheduler(server_args)
@@ -168,13 +174,13 @@ def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype) ->
 
     ps.set_custom_all_reduce(False)
     ps.init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
+        world_size=world_size,
+        rank=rank,
+        local_rank=rank,
         backend="gloo",
         distributed_init_method=dist_init_method,
     )
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     # initialize_dp_attention reads only hidden_size and dtype of the model config.
     initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
 
@@ -343,6 +349,7 @@ def fill_kv_args(
     components: Sequence[StateComponent],
     num_layers: int,
     total_kv_heads: int,
+    engine_rank: int = 0,
 ) -> Dict[str, Any]:
     """Fill ``kv_args`` the way the release's prefill/decode ``_init_kv_manager`` does.
 
@@ -355,7 +362,7 @@ def fill_kv_args(
     from sglang.srt.disaggregation import utils as dutils
 
     fields = _kv_args_fields(kv_args)
-    kv_args.engine_rank = 0
+    kv_args.engine_rank = engine_rank  # the TP rank, as prefill.py/decode.py set it
     kv_args.pp_rank = 0
     kv_args.system_dp_rank = 0
     if "kv_cache_dtype_str" in fields:  # 0.5.2x

@@ -123,14 +123,22 @@ class Worker:
         self.mark("imported_torch")
         self.result["plugin_loader"] = ss.load_plugin(self.args.load_plugin, self.args.backend)
         self.result["sglang_version"] = ss.sglang_version()
+        from sglang_disagg_ext.harness import nixl_shim
+
+        if nixl_shim.wanted():
+            self.result["shim"] = nixl_shim.install()
+        self.tp_rank = self.args.tp_rank
+        self.tp_size = self.scn.prefill_tp if self.role == "prefill" else self.scn.decode_tp
+        self.result["tp"] = [self.tp_rank, self.tp_size]
         sa = ss.make_server_args(
-            self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size
+            self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size,
+            tp_size=self.tp_size,
         )
         self.server_args = sa
         self.result["backend_effective"] = sa.disaggregation_transfer_backend
         self.mark("server_args")
         dtype = ss.torch_dtype(self.scn.kv.dtype)
-        ss.init_runtime(sa, self.args.dist_init, self.scn.hidden_size, dtype)
+        ss.init_runtime(sa, self.args.dist_init, self.scn.hidden_size, dtype, rank=self.tp_rank, world_size=self.tp_size)
         self.result["shared_engines"] = ss.init_shared_engines(sa)
         self.mark("runtime")
 
@@ -142,18 +150,20 @@ class Worker:
         self.mark("pools")
 
         self.bootstrap_addr = f"127.0.0.1:{self.args.bootstrap_port}"
-        if self.role == "prefill":
+        if self.role == "prefill" and self.tp_rank == 0:
             # The bootstrap server must listen before the prefill manager
             # registers (older releases try once).
             server_cls = self.classes["bootstrap_server"]
             self.bootstrap_server = server_cls(host=sa.host, port=sa.disaggregation_bootstrap_port)
             _wait_port("127.0.0.1", self.args.bootstrap_port, deadline)
             self.mark("bootstrap_server")
+        elif self.role == "prefill":  # other prefill ranks: rank 0's server must listen first
+            _wait_port("127.0.0.1", self.args.bootstrap_port, deadline)
 
         kv_args = self.classes["kvargs"]()
         self.result["kv_args"] = ss.fill_kv_args(
             kv_args, self.role, sa, self.kv_pool, self.meta, self.state_components, self.scn.num_layers,
-            self.scn.kv.head_num,
+            self.scn.kv.head_num, engine_rank=self.tp_rank,
         )
         self.mgr = ss.make_manager(self.classes["manager"], kv_args, self.role, sa)
         self.result["manager_class"] = ss.class_name(self.mgr)
@@ -178,8 +188,16 @@ class Worker:
         from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
 
         ss, scn = self.ss, self.scn
+        self.kv_heads = None  # multi-rank: the global KV heads this rank holds
+        pool_heads = scn.kv.head_num
+        if scn.multi_rank:
+            pool_heads = patterns.heads_per_rank(scn.kv.head_num, self.tp_size)
+            try:
+                self.kv_heads = patterns.rank_kv_heads(scn.kv.head_num, self.tp_size, self.tp_rank)
+            except ValueError:
+                self.kv_heads = None  # a layout SGLang cannot shard: bytes are not checked
         self.kv_pool = ss.make_mha_pool(
-            scn.kv.num_pages, scn.page_size, dtype, scn.kv.head_num, scn.kv.head_dim, scn.num_layers
+            scn.kv.num_pages, scn.page_size, dtype, pool_heads, scn.kv.head_dim, scn.num_layers
         )
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
@@ -222,7 +240,12 @@ class Worker:
                     f"{expected_pages[pool.pool_id]}"
                 )
             for b, view in enumerate(pool.views):
-                if self.role == "prefill":
+                if self.role == "prefill" and pool.pool_id == KV_POOL_ID and self.kv_heads is not None:
+                    src = patterns.kv_rank_buffer(
+                        b, pool.num_pages, scn.page_size, scn.kv.head_num, self._head_bytes(), self.kv_heads
+                    )
+                    view.copy_(torch.from_numpy(src))
+                elif self.role == "prefill":
                     src = patterns.buffer_pattern(pool.pool_id, b, pool.num_pages, pool.item_bytes[b])
                     view.copy_(torch.from_numpy(src))
                 else:
@@ -231,6 +254,15 @@ class Worker:
             {"name": p.name, "buffers": len(p.views), "pages": p.num_pages, "item_bytes": sorted(set(p.item_bytes))}
             for p in self.pools
         ]
+
+    def _dtype_size(self) -> int:
+        import torch
+
+        return torch.empty((), dtype=self.ss.torch_dtype(self.scn.kv.dtype)).element_size()
+
+    def _head_bytes(self) -> int:
+        """Bytes of one KV head of one token (head_dim x dtype size)."""
+        return self.scn.kv.head_dim * self._dtype_size()
 
     # -- requests ------------------------------------------------------------
     def _poll_until(self, obj, targets, deadline, trace: list, give_up=None) -> str:
@@ -361,6 +393,13 @@ class Worker:
             exp = expected[pool.pool_id]
             for b, view in enumerate(pool.views):
                 actual = view.numpy()
+                if pool.pool_id == 0 and getattr(self, "kv_heads", None) is not None:  # KV, multi-rank
+                    mismatches += patterns.compare_kv_rank_buffer(
+                        actual, b, exp, num_layers=self.scn.num_layers, page_size=self.scn.page_size,
+                        total_heads=self.scn.kv.head_num, head_bytes=self._head_bytes(), heads=self.kv_heads,
+                        dtype_size=self._dtype_size(), label=f"decode rank {self.tp_rank} {pool.name} buffer {b}",
+                    )
+                    continue
                 mismatches += patterns.compare_buffer(actual, pool.pool_id, b, exp, f"{pool.name} buffer {b}")
         rec["mismatches"] = mismatches
         rec["bytes_verified"] = not mismatches
@@ -416,7 +455,8 @@ class Worker:
             limit = getattr(getattr(self, "scn", None), "timeouts", None)
             wait_s = 5.0 if limit is None else limit.request_s + 5.0
             end = time.monotonic() + wait_s
-            while time.monotonic() < end and not os.path.exists(self.args.done_file):
+            done_files = [self.args.done_file] if not self.args.done_files else self.args.done_files.split(os.pathsep)
+            while time.monotonic() < end and not all(os.path.exists(f) for f in done_files):
                 time.sleep(0.05)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -476,6 +516,28 @@ def _touch(path: Optional[str]) -> None:
             f.write(str(os.getpid()))
 
 
+def _start_watchdog(max_seconds: Optional[float]) -> None:
+    """End this process if the harness parent dies or the lifetime bound passes.
+
+    The parent kills its children on every exit path it controls; this covers
+    the ones it does not (the parent itself killed).
+    """
+    parent = os.getppid()
+    end = None if not max_seconds else time.monotonic() + max_seconds
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                print("[harness] parent gone; exiting", file=sys.stderr, flush=True)
+                os._exit(3)
+            if end is not None and time.monotonic() > end:
+                print("[harness] lifetime bound passed; exiting", file=sys.stderr, flush=True)
+                os._exit(4)
+
+    threading.Thread(target=watch, name="harness-watchdog", daemon=True).start()
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
@@ -488,11 +550,15 @@ def parse_args(argv=None):
     p.add_argument("--done-file", required=True)
     p.add_argument("--peer-result", default=None, help="prefill: decode's result file (ends hopeless waits early)")
     p.add_argument("--load-plugin", choices=("auto", "yes", "no"), default="auto")
+    p.add_argument("--max-seconds", type=float, default=None, help="hard lifetime bound of this process")
+    p.add_argument("--tp-rank", type=int, default=0, help="multi-rank scenarios: this process's TP rank")
+    p.add_argument("--done-files", default=None, help="prefill, multi-rank: every decode rank's done file (os.pathsep)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    _start_watchdog(args.max_seconds)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = Worker(args)
     logging.getLogger().addHandler(worker.logs)
