@@ -19,7 +19,11 @@ from sglang_disagg_ext.scenarios_mooncake import scenarios_for
 pytestmark = pytest.mark.engine
 
 POLICY = releases.current_policy()
-SCENARIOS = scenarios_for(POLICY) if POLICY.support is releases.Support.ACTIVE else []
+ACTIVE = POLICY.support is releases.Support.ACTIVE
+# On a pass-through release the -ext name runs SGLang's own classes, so only
+# the scenarios SGLang itself handles apply (not the plugin-only failure path).
+SCENARIOS = [s for s in scenarios_for(POLICY) if ACTIVE or not s.plugin_only]
+EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if ACTIVE else "sglang.srt.disaggregation.mooncake.conn."
 
 
 def _run(builtin, backend):
@@ -34,7 +38,7 @@ def test_stock_vs_ext(builtin):
     stock_ok, stock = _run(builtin, "mooncake")
     ext_ok, ext = _run(builtin, "mooncake-ext")
 
-    assert ext.prefill_manager and ext.prefill_manager.startswith("sglang_disagg_ext.backends.mooncake."), ext.describe()
+    assert ext.prefill_manager and ext.prefill_manager.startswith(EXT_MODULE), ext.describe()
     assert stock.prefill_manager and stock.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), stock.describe()
     assert ext_ok, ext.describe()
     # Both sides reach a final state within the bound, with ext.
@@ -43,6 +47,21 @@ def test_stock_vs_ext(builtin):
         assert not stock_ok, f"stock SGLang {POLICY.version} passed a scenario it should fail:\n{stock.describe()}"
     else:
         assert stock_ok, stock.describe()
+
+
+@pytest.mark.timeout(400)
+def test_ext_name_on_this_release_transfers_state():
+    """On every supported release (pass-through included) the -ext name works end to end.
+
+    Active releases: the plugin's manager. Pass-through releases (0.5.13+): the
+    stock manager, reached through the -ext name, with the same result as stock.
+    """
+    from sglang_disagg_ext.harness.scenario import with_state
+
+    result = run_scenario(with_state("ext name smoke", "swa", [1, 2, 3, 4, 5], [6, 7, 8]), "mooncake-ext")
+    assert result.ok, result.describe()
+    assert result.prefill_manager.startswith(EXT_MODULE), result.describe()
+    assert result.decode_manager.startswith(EXT_MODULE), result.describe()
 
 
 @pytest.mark.timeout(400)

@@ -1,0 +1,55 @@
+"""`sglang-disagg-ext doctor --json` tells the truth about the installed release."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Per release, by hand from shared/notes/sglang-releases.md: (supported, live fixes, entry point discovered).
+TRUTH = {
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5"}, False),
+    "0.5.11": (True, {"F2", "F4", "F5"}, True),
+    "0.5.12.post1": (True, {"F3"}, True),
+    "0.5.23": (True, set(), True),
+}
+
+
+def _doctor(env_extra=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_disagg_ext.cli", "doctor", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(150)
+def test_doctor_json_matches_release_facts(policy):
+    code, report = _doctor()
+    assert report["sglang_version"] == policy.version
+    supported, live, discovered = TRUTH[policy.version]
+    assert report["supported"] is supported
+    assert {f for f, v in report["fixes"].items() if v["live"]} == live
+    # The plugin activates exactly the live fixes on active releases, nothing on pass-through.
+    active = live if policy.version != "0.5.23" else set()
+    assert {f for f, v in report["fixes"].items() if v["active"]} == active
+    assert report["entry_point"] is discovered
+    # The CPU test venvs have Mooncake and NIXL; MoRI is ROCm-only.
+    assert report["engines"] == {"mooncake": True, "nixl": True, "mori": False}
+    assert set(report) >= {"sglang_version", "supported", "fixes", "engines", "entry_point"}
+    assert code == 0
+
+
+@pytest.mark.timeout(150)
+def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
+    code, report = _doctor({"SGLANG_PLUGINS": "some_other_plugin"})
+    if policy.has_plugin_framework:
+        assert report["entry_point"] is False
+        assert code == 1
+        assert any("SGLANG_PLUGINS" in p for p in report["problems"])
+    else:
+        # No plugin loader to whitelist against; the launcher path still works.
+        assert code == 0 and report["entry_point"] is False
