@@ -32,13 +32,14 @@ What this module installs (one function, :func:`install_retract_fixes`):
   they work on CPU, CUDA and other device pools.
 * ``NSATokenToKVPool._clear_buffers`` releases the index-key buffer too.
 
-The fix is a hook on the classes, not a subclass: SGLang builds the NSA pool in
-one place but checks ``isinstance(..., NSATokenToKVPool)`` in many (disagg
-prefill/decode, the NSA indexer), ``HiSparseNSATokenToKVPool`` subclasses it,
-and ``MetadataBuffers`` is built by both the prefill and the decode scheduler
-mixins. Patching the class reaches every construction site, every subclass
-that does not override the method itself (HiSparse keeps its own
-``NotImplementedError`` offload), and every module that imported the name.
+The fix is a hook on the classes, not a subclass: SGLang builds the NSA pool
+(target and MTP draft) in ``model_runner_kv_cache_mixin.py`` but checks
+``isinstance(..., NSATokenToKVPool)`` in many places (disagg prefill/decode, the
+NSA indexer), ``HiSparseNSATokenToKVPool`` subclasses it, and ``MetadataBuffers``
+is built in two places of ``scheduler.py`` (0.5.11 :1190, :1243). Patching the
+class reaches every construction site, every subclass that does not override
+the method itself (HiSparse keeps its own ``NotImplementedError`` offload), and
+every module that imported the name.
 The originals are recorded, so :func:`uninstall_retract_fixes` (or
 :func:`retract_fixes`) restores stock behaviour in the same process.
 """
@@ -260,20 +261,23 @@ def metadata_get_buf(self, idx: int):
 # --------------------------------------------------------------------------
 
 
-def _nsa_pool_class() -> Optional[type]:
+def _import_attr(module: str, name: str) -> Optional[type]:
+    import importlib
+
     try:
-        from sglang.srt.mem_cache import memory_pool
-    except ImportError:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        logger.warning("sglang-disagg-ext F5: cannot import %s (%s); %s not patched", module, e, name)
         return None
-    return getattr(memory_pool, "NSATokenToKVPool", None)
+    return getattr(mod, name, None)
+
+
+def _nsa_pool_class() -> Optional[type]:
+    return _import_attr("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool")
 
 
 def _metadata_buffers_class() -> Optional[type]:
-    try:
-        from sglang.srt.disaggregation import utils
-    except ImportError:
-        return None
-    return getattr(utils, "MetadataBuffers", None)
+    return _import_attr("sglang.srt.disaggregation.utils", "MetadataBuffers")
 
 
 def _original_callable(cls: type, name: str):

@@ -102,9 +102,9 @@ def test_retract_resume_pool_path_chunk_sizes(chunk_tokens):
     64 -> 1 page per chunk, 100 -> 100-token KV chunks vs 1-page index chunks,
     150 -> 2-page index chunks whose boundaries differ from the KV chunks'.
     """
-    ext = f5.retract_scenario(True, cycles=300, seed=2, chunk_tokens=chunk_tokens, path="pool")
+    ext = f5.retract_scenario(True, cycles=200, seed=2, chunk_tokens=chunk_tokens, path="pool")
     assert ext.passed, ext
-    stock = f5.retract_scenario(False, cycles=300, seed=2, chunk_tokens=chunk_tokens, path="pool")
+    stock = f5.retract_scenario(False, cycles=200, seed=2, chunk_tokens=chunk_tokens, path="pool")
     if LIVE:
         _assert_live_stock_failure(stock)
     else:
