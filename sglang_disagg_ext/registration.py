@@ -135,8 +135,17 @@ def activate(ext_name: str) -> None:
     routed = []
     if policy.support is releases.Support.ACTIVE:
         package_name, plugin_module = _BACKEND_MODULES[base]
-        ext_classes = importlib.import_module(plugin_module).ext_classes(policy)
-        package = importlib.import_module(package_name)
+        try:
+            ext_classes = importlib.import_module(plugin_module).ext_classes(policy)
+        except ImportError as exc:
+            if not _missing_engine(exc, base):
+                raise
+            # The transfer engine itself is missing (e.g. MoRI off ROCm). Stock
+            # SGLang parses such a name and fails when it builds the manager;
+            # the -ext name behaves the same: same error, same place.
+            logger.warning("%s: %s is not importable here (%s); %s routing not installed", ext_name, base, exc, ext_name)
+            ext_classes = {}
+        package = importlib.import_module(package_name) if ext_classes else None
         for attr, cls in ext_classes.items():
             key = (package_name, attr)
             _replaced.setdefault(key, getattr(package, attr))
@@ -154,6 +163,19 @@ def activate(ext_name: str) -> None:
         ext_name,
         ", ".join(routed) if routed else f"stock {base} classes (pass-through)",
     )
+
+
+def _missing_engine(exc: BaseException, base: str) -> bool:
+    """Whether an import failed because the transfer engine itself is absent."""
+    engine_roots = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12"), "mori": ("mori",)}[base]
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = getattr(exc, "name", None)
+        if isinstance(exc, ModuleNotFoundError) and name and name.split(".")[0] in engine_roots:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def deactivate() -> None:

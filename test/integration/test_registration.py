@@ -286,3 +286,21 @@ def test_unsupported_release_is_a_clear_error_at_start(loaded, tiny_model_dir, m
         _server_args(tiny_model_dir, "mooncake-ext")
     # The stock names keep working with the plugin installed.
     assert _server_args(tiny_model_dir, "mooncake").disaggregation_transfer_backend == "mooncake"
+
+
+@pytest.mark.timeout(120)
+def test_ext_name_without_its_engine_fails_where_stock_fails(loaded, tiny_model_dir):
+    """MoRI is ROCm-only: on this machine `mori-ext` must parse and then fail exactly where `mori` does."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    from sglang_disagg_ext.doctor import engine_importable
+
+    assert not engine_importable("mori")
+    errors = {}
+    for name in ("mori", "mori-ext"):
+        value = _server_args(tiny_model_dir, name).disaggregation_transfer_backend
+        assert value == "mori"
+        with pytest.raises(ImportError) as info:
+            get_kv_class(TransferBackend(value), KVClassType.MANAGER)
+        errors[name] = type(info.value)
+    assert errors["mori"] is errors["mori-ext"]
