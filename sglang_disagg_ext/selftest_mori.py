@@ -1,0 +1,284 @@
+"""F3 (MoRI per-component state) scenarios for ``sglang-disagg-ext selftest --backend mori``.
+
+The engine boundary: AMD's ``mori`` package is ROCm-only and not on PyPI, so
+these rows run SGLang's real MoRI backend (``MoriKVManager``/``Sender``/
+``Receiver``, the real bootstrap server, both child processes of the transfer
+harness) and the plugin's real code above it, with only the MoRI IO engine
+replaced, at the ``mori.io`` / ``mori.cpp`` names SGLang imports, by the
+in-repo stand-in ``test/support/mori_standin``. The stand-in really copies the
+bytes of each write batch between the prefill and decode processes' registered
+CPU buffers (``process_vm_writev``) and reports per-transfer status as MoRI
+does. It is put on the children's ``PYTHONPATH`` only; it is never installed.
+On an AMD node with the real ``mori`` installed, ``real_engine=True`` runs the
+same scenarios against it (see ``docs/mori.md``).
+
+Rows:
+
+* ``mori-hybrid-state``: one request with a Mamba slot and SWA pages (and a
+  second request where the Mamba component is missing on both sides). Stock
+  ``mori`` on 0.5.12.x dies at PD bootstrap with ``struct.error``; ``mori-ext``
+  moves every byte, sentinels untouched.
+* ``mori-flat-decode-refused``: ``mori-ext`` prefill, stock ``mori`` decode
+  (plain KV model, the only one stock 0.5.12.x MoRI can bootstrap): the prefill
+  refuses the old-format registration and decode ends Failed with that reason,
+  not a timeout.
+* ``mori-flat-prefill-refused``: stock ``mori`` prefill, ``mori-ext`` decode:
+  decode refuses to register and fails the request with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+)
+
+FIX = "F3"
+BACKEND = "mori"
+STRUCT_ERROR = "required argument is not an integer"
+ENGINE_NOTE = (
+    "MoRI IO engine = in-repo stand-in (test/support/mori_standin) at the mori.io / mori.cpp "
+    "names SGLang imports: it copies each write batch between the prefill and decode processes' "
+    "registered CPU buffers with process_vm_writev and reports per-transfer TransferStatus; "
+    "bootstrap, registration, wire format and dispatch above it are SGLang's and the plugin's real code"
+)
+REAL_ENGINE_NOTE = "real AMD MoRI engine (mori.io imported from the installed package)"
+
+
+# -- the stand-in ---------------------------------------------------------------------------
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def standin_dir() -> Optional[str]:
+    """``test/support/mori_standin`` of a source checkout, or ``None`` (installed wheel)."""
+    path = os.path.join(_repo_root(), "test", "support", "mori_standin")
+    return path if os.path.isfile(os.path.join(path, "mori", "cpp.py")) else None
+
+
+def standin_env() -> Dict[str, str]:
+    """``extra_env`` for ``run_scenario``: the stand-in and this checkout on the children's path."""
+    path = standin_dir()
+    if path is None:
+        raise RuntimeError("the MoRI stand-in lives in a source checkout (test/support/mori_standin); none here")
+    parts = [path, _repo_root()]
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return {"PYTHONPATH": os.pathsep.join(parts)}
+
+
+def standin_usable(timeout_s: float = 30.0) -> Tuple[bool, str]:
+    """Whether the stand-in can copy between processes here, checked in a child process."""
+    path = standin_dir()
+    if path is None:
+        return False, "no source checkout: test/support/mori_standin is not installed with the plugin"
+    code = "from mori.cpp import standin_self_check as c; ok, d = c(); print(('OK ' if ok else 'NO ') + d)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"stand-in self-check did not run: {exc}"
+    line = (out.stdout.strip().splitlines() or [out.stderr.strip()[-300:]])[-1]
+    return line.startswith("OK "), line[3:] if line[:3] in ("OK ", "NO ") else line
+
+
+# -- scenarios (expected bytes come from harness.patterns, derived from these) -----------------
+
+
+def _timeouts() -> Timeouts:
+    return Timeouts(request_s=30.0, startup_s=150.0, sglang_waiting_s=8.0, sglang_bootstrap_s=8.0)
+
+
+def hybrid_scenario() -> Scenario:
+    """Two state components: a Mamba slot (2 layers x 2 tensors) and SWA pages.
+
+    Request 0: Mamba slot 3 -> 6; SWA pages [2, 3, 5, 6, 7] -> [8, 9, 10, 4]
+    (decode's window one page shorter: the first four pairs move, in three
+    contiguous runs). Request 1: the Mamba component is missing on both sides
+    (``None``: nothing moves, distinct from an empty list), SWA [1] -> [11].
+    """
+    return Scenario(
+        name="mori-hybrid-state",
+        kv=KVPoolSpec(num_pages=14),
+        state_pools=[
+            StatePoolSpec("mamba", num_pages=8, num_layers=2, mamba_item_bytes=[96, 32]),
+            StatePoolSpec("swa", num_pages=12, num_layers=1),
+        ],
+        requests=[
+            RequestSpec(
+                src_kv_pages=[1, 2, 3, 4],
+                dst_kv_pages=[6, 7, 9, 10],
+                aux_index=2,
+                dst_aux_index=5,
+                state=[StateSpec("mamba", [3], [6]), StateSpec("swa", [2, 3, 5, 6, 7], [8, 9, 10, 4])],
+            ),
+            RequestSpec(
+                src_kv_pages=[5],
+                dst_kv_pages=[12],
+                aux_index=1,
+                dst_aux_index=3,
+                state=[StateSpec("mamba", None, None), StateSpec("swa", [1], [11])],
+            ),
+        ],
+        timeouts=_timeouts(),
+    )
+
+
+def kv_only_scenario(name: str) -> Scenario:
+    """A plain KV model: the only kind stock 0.5.12.x MoRI can bootstrap."""
+    return Scenario(
+        name=name,
+        kv=KVPoolSpec(num_pages=10),
+        requests=[RequestSpec(src_kv_pages=[1, 2, 3], dst_kv_pages=[5, 6, 7], aux_index=1, dst_aux_index=4)],
+        timeouts=_timeouts(),
+    )
+
+
+# -- running and judging ---------------------------------------------------------------------------
+
+
+def run(scenario: Scenario, backend: str, decode_backend: Optional[str] = None, timeout_s: float = 240.0,
+        real_engine: bool = False):
+    """One harness run with the stand-in on the children's path (unless ``real_engine``)."""
+    from sglang_disagg_ext.harness.run import run_scenario
+
+    extra = None if real_engine else standin_env()
+    return run_scenario(scenario, backend, timeout_s=timeout_s, extra_env=extra, decode_backend=decode_backend)
+
+
+def _texts(res) -> str:
+    parts = [res.error or "", res.prefill_log_tail, res.decode_log_tail]
+    for r in res.requests:
+        parts += [r.error or "", r.prefill_failure_reason or "", r.decode_failure_reason or ""]
+        parts += r.prefill_log + r.decode_log
+    return "\n".join(parts)
+
+
+def stock_struct_error(res) -> bool:
+    """Stock 0.5.12.x MoRI on a hybrid model: decode dies at bootstrap with the struct error."""
+    return not res.ok and STRUCT_ERROR in _texts(res)
+
+
+def refused_cleanly(res, side: str) -> bool:
+    """Every request ended Failed on the refusing side with a 'refused ... at registration' reason,
+    decode (the side users wait on) was told so instead of timing out, and no byte moved."""
+    if not res.requests:
+        return False
+    for r in res.requests:
+        reason = (r.decode_failure_reason or "") + " " + (r.prefill_failure_reason or "")
+        if r.decode_status != "Failed" or "refused" not in reason or "at registration" not in reason:
+            return False
+        if "timed out" in (r.decode_failure_reason or ""):
+            return False
+        if side == "prefill" and r.prefill_status != "Failed":
+            return False
+        if not nothing_written(r):
+            return False
+    return True
+
+
+def nothing_written(request_result) -> bool:
+    """Decode's pools hold only the sentinel: every expected write is missing and no
+    other page was touched."""
+    return all(
+        "must be untouched" not in m and ("found the sentinel" in m or "more mismatching" in m)
+        for m in request_result.mismatches
+    )
+
+
+def _row(scenario: str, stock: str, ext: str, verified: bool, seconds: float, engine: str, **extra) -> Dict:
+    row = {
+        "scenario": scenario,
+        "fix": FIX,
+        "backend": BACKEND,
+        "stock": stock,
+        "ext": ext,
+        "verified": bool(verified),
+        "seconds": round(float(seconds), 2),
+        "engine": engine,
+    }
+    row.update(extra)
+    return row
+
+
+ROW_NAMES = ("mori-hybrid-state", "mori-flat-decode-refused", "mori-flat-prefill-refused")
+
+
+# Set to "real" on an AMD node with AMD's mori installed to run the rows on it.
+ENGINE_ENV = "SGLANG_DISAGG_EXT_MORI_ENGINE"
+
+
+def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None) -> List[Dict]:
+    """The F3 rows of the selftest table (see the module docstring).
+
+    ``real_engine``: use the installed ``mori`` instead of the stand-in;
+    default from ``$SGLANG_DISAGG_EXT_MORI_ENGINE`` (``real``).
+    """
+    if real_engine is None:
+        real_engine = os.environ.get(ENGINE_ENV, "").lower() == "real"
+    policy = releases.current_policy()
+    engine = REAL_ENGINE_NOTE if real_engine else ENGINE_NOTE
+    status = policy.fixes.get(FIX)
+    if status is releases.FixStatus.NA or not policy.supported:
+        why = f"F3 is n/a on SGLang {policy.version}: MoRI has no hybrid-state path before 0.5.12"
+        return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES]
+    if not real_engine:
+        ok, detail = standin_usable()
+        if not ok:
+            return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=f"stand-in unusable here: {detail}")
+                    for name in ROW_NAMES]
+
+    rows = []
+    start = time.monotonic()
+    scn = hybrid_scenario()
+    stock = run(scn, "mori", timeout_s=timeout_s, real_engine=real_engine)
+    ext = run(scn, "mori-ext", timeout_s=timeout_s, real_engine=real_engine)
+    live = status is releases.FixStatus.LIVE
+    rows.append(_row(
+        scn.name,
+        "pass" if stock.ok else "fail",
+        "pass" if ext.ok else "fail",
+        ext.ok and all(r.bytes_verified for r in ext.requests),
+        time.monotonic() - start,
+        engine,
+        stock_expected="fail (struct.error at bootstrap)" if live else "pass (upstream fix)",
+        stock_detail=(
+            "struct.error at PD bootstrap" if stock_struct_error(stock) else None if stock.ok
+            else stock.describe(logs=False)
+        ),
+        ext_detail=None if ext.ok else ext.describe(logs=False),
+    ))
+    if not live:
+        # The refusals are the plugin's wire; on this release mori-ext is the stock classes.
+        why = f"F3 is upstream on SGLang {policy.version}: mori-ext uses the stock classes and stock wire"
+        rows += [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES[1:]]
+        return rows
+
+    for name, prefill, decode, side in (
+        ("mori-flat-decode-refused", "mori-ext", "mori", "prefill"),
+        ("mori-flat-prefill-refused", "mori", "mori-ext", "decode"),
+    ):
+        start = time.monotonic()
+        res = run(kv_only_scenario(name), prefill, decode_backend=decode, timeout_s=timeout_s,
+                  real_engine=real_engine)
+        passed = refused_cleanly(res, side)
+        rows.append(_row(
+            # verified: decode's pools were compared byte for byte and are untouched.
+            name, "n/a", "pass" if passed else "fail", passed, time.monotonic() - start, engine,
+            detail=f"prefill {prefill}, decode {decode}: refused at registration, decode pools untouched",
+            ext_detail=None if passed else res.describe(logs=False),
+        ))
+    return rows
