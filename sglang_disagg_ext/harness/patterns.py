@@ -314,11 +314,14 @@ def compare_kv_rank_buffer(
             if key in seen:
                 continue
             seen.add(key)
-            cell = got.reshape(shape)[i, tok, h, (byte // dtype_size) * dtype_size : (byte // dtype_size + 1) * dtype_size]
-            what = "the sentinel" if np.all(cell == SENTINEL) else "other bytes"
+            lo, hi = (byte // dtype_size) * dtype_size, (byte // dtype_size + 1) * dtype_size
+            cell = got.reshape(shape)[i, tok, h, lo:hi]
+            exp = want.reshape(shape)[i, tok, h, lo:hi]
+            what = "the sentinel" if np.all(cell == SENTINEL) else f"0x{cell.tobytes().hex()}"
             add(
                 f"{label} ({kv} layer {layer}) page {int(dst[i])} token {tok} head {heads[h]} dim "
-                f"{byte // dtype_size}: expected prefill page {src[i]}'s element, found {what}"
+                f"{byte // dtype_size}: expected prefill page {src[i]}'s element 0x{exp.tobytes().hex()}, "
+                f"found {what}"
             )
     if expectation.sentinel_pages:
         rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)

@@ -116,6 +116,9 @@ def run_ranks(
             ]
             if role == "prefill":
                 cmd += ["--peer-result", os.path.join(run_dir, "decode0.json"), "--done-files", os.pathsep.join(done)]
+            else:
+                ready = [os.path.join(run_dir, f"prefill{r}.json") for r in range(scenario.prefill_tp)]
+                cmd += ["--ready-files", os.pathsep.join(ready)]
             children[name] = _Child(name, cmd, env, os.path.join(run_dir, f"{name}.log"), run_dir)
         _wait(children, run_dir, deadline)
         if any(c.poll() is None for c in children.values()):

@@ -179,6 +179,13 @@ class Worker:
                     )
                 time.sleep(0.1)
             self.mark("prefill_info")
+            if self.args.ready_files:
+                # Prefill registers at the bootstrap server before its transfer
+                # engine exists; SGLang's waiting timeout (short here) starts at
+                # send_metadata, so start requests only once every prefill
+                # rank has its manager.
+                _wait_ready(self.args.ready_files.split(os.pathsep), deadline)
+                self.mark("prefill_ready")
 
     def _build_pools(self, dtype) -> None:
         """KV pool, aux buffers, state components; fill patterns (prefill) or sentinel (decode)."""
@@ -254,6 +261,21 @@ class Worker:
             {"name": p.name, "buffers": len(p.views), "pages": p.num_pages, "item_bytes": sorted(set(p.item_bytes))}
             for p in self.pools
         ]
+
+    def _rank_barrier(self) -> None:
+        """Multi-rank: the ranks of one side start each request together.
+
+        SGLang's decode waiting timeout (seconds, here) runs from each decode
+        rank's send_metadata, and prefill serves a room only once every decode
+        rank of it has sent; ranks on shared cores must not drift apart.
+        """
+        if getattr(self, "tp_size", 1) <= 1:
+            return
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.scn.timeouts.request_s))
 
     def _dtype_size(self) -> int:
         import torch
@@ -421,6 +443,7 @@ class Worker:
             }
             self.result["requests"].append(rec)
             try:
+                self._rank_barrier()
                 if self.role == "prefill":
                     self.run_prefill(index, rec)
                 else:
@@ -510,6 +533,26 @@ def _wait_port(host: str, port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
+def _wait_ready(paths: List[str], deadline: float) -> None:
+    """Wait until every result file in ``paths`` shows a constructed manager."""
+    pending = list(paths)
+    while pending:
+        for path in list(pending):
+            try:
+                with open(path) as f:
+                    res = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if res.get("error"):
+                raise RuntimeError(f"peer {path} failed in setup: {str(res['error']).strip().splitlines()[-1]}")
+            if "manager" in res.get("timings", {}):
+                pending.remove(path)
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peers not ready before the startup bound: {pending}")
+            time.sleep(0.05)
+
+
 def _touch(path: Optional[str]) -> None:
     if path:
         with open(path, "w") as f:
@@ -552,6 +595,7 @@ def parse_args(argv=None):
     p.add_argument("--load-plugin", choices=("auto", "yes", "no"), default="auto")
     p.add_argument("--max-seconds", type=float, default=None, help="hard lifetime bound of this process")
     p.add_argument("--tp-rank", type=int, default=0, help="multi-rank scenarios: this process's TP rank")
+    p.add_argument("--ready-files", default=None, help="decode: prefill result files to wait for (os.pathsep)")
     p.add_argument("--done-files", default=None, help="prefill, multi-rank: every decode rank's done file (os.pathsep)")
     return p.parse_args(argv)
 

@@ -1,0 +1,639 @@
+"""``nixl-ext``: SGLang's NIXL manager with the heterogeneous-TP fixes of F4.
+
+What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
+
+* **Head slice** (``send_kvcache_slice``): which KV heads a prefill rank writes
+  into a decode rank, and where, comes from ``core.head_slice.HeadLayout``:
+  the model's *total* KV-head count (``kv_args.total_kv_head_num``; fallback
+  per-rank count x prefill TP), GQA replication on either side, and only one
+  of several prefill ranks holding the same head sends it. Stock 0.5.10.post1
+  treats a replicated half head as a head (silent corruption); 0.5.11 and
+  0.5.12.x map decode-side replicas by modulo (e.g. 2 heads, prefill TP 1 ->
+  decode TP 4: decode ranks 2 and 3 get head 0 instead of head 1).
+* **Notification key**: every NIXL notification this prefill rank emits
+  carries ``notification_sender_id(pp_rank, engine_rank)`` in its sender
+  field (``core.nixl_notif.with_sender_id``), whatever method of whatever
+  release built the tag. Stock keys on the pipeline rank (<= 0.5.11: decode
+  with fewer TP ranks never completes) or the TP rank (0.5.12.x: collides
+  across pipeline stages). Stock decode parses the field with ``int()`` and
+  counts distinct values, so a stock decode completes on these keys.
+  A prefill rank that sends no bytes to a decode rank (a GQA replica, or an
+  empty chunk) still sends that notification, as a standalone NIXL
+  notification, because stock decode counts one response per prefill rank.
+* **Memory kinds**: KV and state buffers are registered as "DRAM" or "VRAM"
+  according to where they live (``core.mem_kind``), and every transfer names
+  the kind each side registered (the decode's kinds are read from NIXL's copy
+  of its metadata), instead of "VRAM" everywhere.
+* **Failures**: an impossible head layout is refused when the prefill manager
+  registers its buffers (own TP size) or when a decode registers (the pair of
+  TP sizes), naming the numbers; a room that cannot be served ends Failed on
+  prefill and sends ``<room>_fail_...`` to its decode ranks, which an ext
+  decode turns into Failed at once (stock decode ignores the tag and times
+  out). On <= 0.5.11 stock raises such errors into the scheduler instead.
+
+Everything release-specific is detected from the installed classes in
+``_ReleaseFeatures`` below; the rest is release-independent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_disagg_ext.core import mem_kind
+from sglang_disagg_ext.core.head_slice import (
+    HeadLayout,
+    HeadLayoutError,
+    build_head_slice_descriptors,
+    head_bytes_from_item_len,
+    resolve_total_kv_heads,
+)
+from sglang_disagg_ext.core.nixl_notif import failure_tag, parse_failure_tag, with_sender_id
+from sglang_disagg_ext.releases import ReleasePolicy, Support
+
+logger = logging.getLogger("sglang_disagg_ext.nixl")
+
+
+# --- release features (the one place that looks at the installed SGLang) ------
+
+
+def _flatten_ptrs(ptrs) -> List[int]:
+    """State pointers: flat list (<= 0.5.11) or one list per component (0.5.12+)."""
+    out: List[int] = []
+    for p in ptrs or []:
+        if isinstance(p, (list, tuple)):
+            out.extend(int(x) for x in p)
+        else:
+            out.append(int(p))
+    return out
+
+
+def _flatten_state(kv_args):
+    """(ptr, len) of every non-empty state buffer, either layout."""
+    ptrs = kv_args.state_data_ptrs or []
+    lens = kv_args.state_data_lens or []
+    pairs = []
+    for p, n in zip(ptrs, lens):
+        if isinstance(p, (list, tuple)):
+            pairs.extend(zip(p, n))
+        else:
+            pairs.append((p, n))
+    return [(int(p), int(n)) for p, n in pairs if p and n]
+
+
+# --- device-memory probe ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_pointer_probe():
+    """``ptr -> True/False/None`` from the CUDA driver, or ``None`` without one.
+
+    Only a positive answer from ``cuPointerGetAttribute(MEMORY_TYPE)`` is
+    used; any error means "unknown" and the server's device decides.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuPointerGetAttribute
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    cu_pointer_attribute_memory_type = 2
+    host, device, unified = 1, 2, 4
+
+    def probe(ptr: int) -> Optional[bool]:
+        value = ctypes.c_uint(0)
+        if fn(ctypes.byref(value), cu_pointer_attribute_memory_type, ctypes.c_uint64(ptr)) != 0:
+            return None
+        if value.value in (device, unified):
+            return True
+        if value.value == host:
+            return False
+        return None
+
+    return probe
+
+
+# --- the agent as the manager sees it ----------------------------------------------
+
+
+class _NotifOnly:
+    """Handle of a notification sent without a transfer (replica, empty chunk)."""
+
+    __slots__ = ("peer", "tag")
+
+    def __init__(self, peer: str, tag: bytes):
+        self.peer, self.tag = peer, tag
+
+    def __repr__(self) -> str:
+        return f"<notification-only {self.tag!r} to {self.peer}>"
+
+
+class _KindPlan:
+    """Memory kinds for the next (local, remote) descriptor-list pairs on this thread."""
+
+    __slots__ = ("kinds", "calls")
+
+    def __init__(self, src: str, dst: str):
+        self.kinds = (src, dst)
+        self.calls = 0
+
+
+class ExtNixlAgent:
+    """The manager's ``nixl_agent``, with three rules applied on the way through.
+
+    * Descriptor lists asked for as "VRAM" (stock's constant) inside a
+      ``kinds()`` block get the block's kinds, local list first then remote,
+      as every stock send method builds them; host rows get device id 0.
+    * Prefill: every notification tag leaving the process gets this rank's
+      sender id (``with_sender_id``); ``send_notif`` returns a handle that
+      ``check_xfer_state`` reports as done.
+    * Decode: ``<room>_fail_...`` notifications are taken out of
+      ``get_new_notifs`` and handed to the manager.
+    Everything else is the wrapped agent's own attribute.
+    """
+
+    def __init__(self, agent, mgr: "NixlExtKVManager"):
+        self._agent = agent
+        self._mgr = mgr
+        self._local = threading.local()
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    # -- memory kinds --------------------------------------------------------
+    @contextlib.contextmanager
+    def kinds(self, src: str, dst: str):
+        """Inside the block, stock's "VRAM" descriptor lists become (src, dst) pairs."""
+        stack = self._plans()
+        stack.append(_KindPlan(src, dst))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _plans(self) -> list:
+        stack = getattr(self._local, "plans", None)
+        if stack is None:
+            stack = self._local.plans = []
+        return stack
+
+    def get_xfer_descs(self, descs, mem_type=None, *args, **kwargs):
+        plans = self._plans()
+        if plans and mem_type == mem_kind.VRAM:
+            plan = plans[-1]
+            mem_type = plan.kinds[plan.calls % 2]
+            plan.calls += 1
+            if mem_type == mem_kind.DRAM:
+                descs = _host_device_ids(descs)
+        return self._agent.get_xfer_descs(descs, mem_type, *args, **kwargs)
+
+    # -- notifications (prefill) ---------------------------------------------------
+    def _tag(self, tag):
+        if not tag or not self._mgr._ext_is_prefill:
+            return tag
+        return with_sender_id(tag, self._mgr._ext_pp_rank, self._mgr._ext_engine_rank)
+
+    def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, notif_msg=b"", *args, **kwargs):
+        return self._agent.initialize_xfer(
+            operation, local_descs, remote_descs, remote_agent, self._tag(notif_msg), *args, **kwargs
+        )
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = self._tag(kwargs["notif_msg"])
+        elif len(args) > 5:
+            args = args[:5] + (self._tag(args[5]),) + args[6:]
+        return self._agent.make_prepped_xfer(*args, **kwargs)
+
+    def transfer(self, handle, notif_msg=b""):
+        if isinstance(handle, _NotifOnly):
+            return "DONE"
+        return self._agent.transfer(handle, self._tag(notif_msg))
+
+    def send_notif(self, remote_agent_name, notif_msg, backend=None):
+        tag = self._tag(notif_msg)
+        if isinstance(tag, str):
+            tag = tag.encode("ascii")
+        self._agent.send_notif(remote_agent_name, tag, backend)
+        return _NotifOnly(remote_agent_name, tag)
+
+    def check_xfer_state(self, handle):
+        if isinstance(handle, _NotifOnly):
+            return "DONE"
+        return self._agent.check_xfer_state(handle)
+
+    def release_xfer_handle(self, handle):
+        if isinstance(handle, _NotifOnly):
+            return None
+        return self._agent.release_xfer_handle(handle)
+
+    # -- notifications (decode) ------------------------------------------------------
+    def get_new_notifs(self, *args, **kwargs):
+        notifs = self._agent.get_new_notifs(*args, **kwargs)
+        if self._mgr._ext_is_prefill or not notifs:
+            return notifs
+        out = {}
+        for peer, messages in notifs.items():
+            kept = []
+            for msg in messages:
+                notice = parse_failure_tag(msg)
+                if notice is None:
+                    kept.append(msg)
+                else:
+                    self._mgr._ext_on_failure_notice(peer, notice)
+            if kept:
+                out[peer] = kept
+        return out
+
+
+def _host_device_ids(descs):
+    """Descriptors with device id 0 (NIXL's id for host memory)."""
+    if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
+        if descs.size and np.any(descs[:, 2] != 0):
+            descs = descs.copy()
+            descs[:, 2] = 0
+        return descs
+    if isinstance(descs, list) and descs and isinstance(descs[0], tuple) and len(descs[0]) == 3:
+        return [(a, n, 0) for a, n, _ in descs]
+    return descs
+
+
+# --- manager ---------------------------------------------------------------------------
+
+
+class NixlExtKVManager(NixlKVManager):
+    """See the module docstring."""
+
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        # Set before super().__init__: the stock constructor registers memory
+        # and starts the bootstrap thread, which use these.
+        self._ext_is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        self._ext_pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        self._ext_engine_rank = int(getattr(args, "engine_rank", 0) or 0)
+        self._ext_lock = threading.Lock()
+        self._ext_local_kinds: Dict[int, str] = {}
+        self._ext_peer_kinds: Dict[str, Dict[int, str]] = {}
+        self._ext_peer_errors: Dict[str, str] = {}
+        self._ext_failed_rooms: Dict[int, str] = {}
+        self._ext_notified_rooms: set = set()
+        self._ext_layouts: Dict[tuple, HeadLayout] = {}
+        self._ext_total_kv_heads: Optional[int] = None
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+
+    # -- registration ------------------------------------------------------------------
+    def register_buffer_to_engine(self):
+        if self._ext_is_prefill and not self.is_mla_backend:
+            self._ext_check_own_heads()
+        if not isinstance(self.agent, ExtNixlAgent):
+            self.agent = ExtNixlAgent(self.agent, self)
+        device = getattr(self.server_args, "device", None)
+        probe = _cuda_pointer_probe()
+        gpu_id = self.kv_args.gpu_id
+
+        kv = [(int(p), int(n)) for p, n in zip(self.kv_args.kv_data_ptrs, self.kv_args.kv_data_lens)]
+        self.kv_descs = self._ext_register("kv", kv, mem_kind.classify([p for p, _ in kv], device, probe), gpu_id)
+        if not self.kv_descs and kv:
+            raise Exception("NIXL memory registration failed for kv tensors")
+
+        # Aux (metadata) buffers are host memory in every release: stock's DRAM.
+        aux = [(int(p), int(n)) for p, n in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_data_lens)]
+        self.aux_descs = self._ext_register("aux", aux, [mem_kind.DRAM] * len(aux), 0)
+        if not self.aux_descs and aux:
+            raise Exception("NIXL memory registration failed for aux tensors")
+
+        state = _flatten_state(self.kv_args)
+        if state:
+            kinds = mem_kind.classify([p for p, _ in state], device, probe)
+            self.state_descs = self._ext_register("state", state, kinds, gpu_id)
+            if not self.state_descs:
+                raise Exception("NIXL memory registration failed for state tensors")
+
+    def _ext_register(self, what: str, bufs, kinds: Sequence[str], gpu_id: int):
+        """Register ``bufs`` grouped by memory kind; remember each pointer's kind."""
+        regs = []
+        for kind in mem_kind.KINDS:
+            group = [
+                (p, n, mem_kind.device_id(kind, gpu_id), "") for (p, n), k in zip(bufs, kinds) if k == kind
+            ]
+            if not group:
+                continue
+            descs = self.agent.register_memory(group, kind)
+            if not descs:
+                raise Exception(f"NIXL memory registration failed for {what} tensors ({kind})")
+            regs.append(descs)
+            for p, _, _, _ in group:
+                self._ext_local_kinds[p] = kind
+            logger.debug("registered %d %s buffers as %s", len(group), what, kind)
+        if not regs:
+            return None
+        return regs[0] if len(regs) == 1 else regs
+
+    def _ext_check_own_heads(self) -> None:
+        """Refuse a prefill head layout that cannot be sliced, naming the numbers."""
+        per_rank = getattr(self.kv_args, "kv_head_num", None)
+        total = getattr(self.kv_args, "total_kv_head_num", None)
+        tp = self.attn_tp_size
+        try:
+            heads = resolve_total_kv_heads(total, per_rank if per_rank is not None else 0, tp)
+            layout = HeadLayout(tp, tp, heads)
+        except HeadLayoutError as exc:
+            raise HeadLayoutError(
+                f"nixl-ext: cannot serve prefill KV heads (kv_head_num={per_rank}, "
+                f"total_kv_head_num={total}, attention TP size={tp}): {exc}"
+            ) from None
+        if per_rank is not None and per_rank != layout.prefill_heads_per_rank:
+            raise HeadLayoutError(
+                f"nixl-ext: prefill pool holds {per_rank} KV heads per rank, but {heads} total KV heads "
+                f"over attention TP size {tp} means {layout.prefill_heads_per_rank} per rank"
+            )
+        self._ext_total_kv_heads = heads
+
+    # -- decode peers ---------------------------------------------------------------------
+    def _add_remote_peer(self, decode_kv_args):
+        """Stock registration, then the decode's memory kinds and head layout.
+
+        Runs on the bootstrap thread: an exception here (stock lets NIXL's
+        ``add_remote_agent`` raise) would end that thread and leave every later
+        room Bootstrapping, so a decode that cannot be served is recorded and
+        its rooms fail with the reason instead.
+        """
+        name = decode_kv_args.agent_name
+        new = name not in self.decode_kv_args_table
+        try:
+            super()._add_remote_peer(decode_kv_args)
+            if new:
+                self._ext_inspect_peer(decode_kv_args)
+        except Exception as exc:  # noqa: BLE001 - keep the bootstrap thread alive; fail the peer's rooms
+            self._ext_peer_errors[name] = f"decode {name} (TP rank {decode_kv_args.decode_tp_rank}) cannot be served: {exc}"
+            logger.error("nixl-ext: %s", self._ext_peer_errors[name])
+
+    def _ext_inspect_peer(self, info) -> None:
+        kinds: Dict[int, str] = {}
+        for what, ptrs in (
+            ("kv", [int(p) for p in info.dst_kv_ptrs]),
+            ("state", [p for p in _flatten_ptrs(getattr(info, "dst_state_data_ptrs", [])) if p]),
+        ):
+            kinds.update(self._ext_remote_kinds(info.agent_name, what, ptrs, info.gpu_id))
+        self._ext_peer_kinds[info.agent_name] = kinds
+        if not self.is_mla_backend and info.decode_tp_size != self.attn_tp_size:
+            layout = self._ext_layout(self.attn_tp_size, info.decode_tp_size)
+            src_head = head_bytes_from_item_len(
+                self.kv_args.kv_item_lens[0], self.kv_args.page_size, layout.prefill_heads_per_rank
+            )
+            dst_head = head_bytes_from_item_len(
+                info.dst_kv_item_len, self.kv_args.page_size, layout.decode_heads_per_rank
+            )
+            if src_head != dst_head:
+                raise HeadLayoutError(
+                    f"one KV head is {src_head} bytes per token on prefill ({layout.prefill_heads_per_rank} "
+                    f"heads per rank) but {dst_head} on decode rank {info.decode_tp_rank} "
+                    f"({layout.decode_heads_per_rank} heads per rank)"
+                )
+
+    def _ext_remote_kinds(self, agent_name: str, what: str, ptrs: List[int], gpu_id: int) -> Dict[int, str]:
+        """Each remote buffer's kind, read from NIXL's copy of the peer's metadata."""
+        if not ptrs:
+            return {}
+
+        def registered(sel: List[int], kind: str) -> bool:
+            dev = mem_kind.device_id(kind, gpu_id)
+            rows = np.array([[p, 1, dev] for p in sel], dtype=np.int64)
+            descs = self.agent._agent.get_xfer_descs(rows, kind)
+            return bool(self.agent._agent.check_remote_metadata(agent_name, descs))
+
+        for kind in (mem_kind.VRAM, mem_kind.DRAM):
+            if registered(ptrs, kind):
+                return {p: kind for p in ptrs}
+        out = {}
+        for p in ptrs:
+            kind = next((k for k in (mem_kind.VRAM, mem_kind.DRAM) if registered([p], k)), None)
+            if kind is None:
+                raise mem_kind.MemKindError(
+                    f"decode {what} buffer 0x{p:x} is not registered with NIXL (neither VRAM nor DRAM)"
+                )
+            out[p] = kind
+        return out
+
+    def _ext_layout(self, prefill_tp: int, decode_tp: int) -> HeadLayout:
+        key = (prefill_tp, decode_tp)
+        layout = self._ext_layouts.get(key)
+        if layout is None:
+            heads = self._ext_total_kv_heads
+            if heads is None:
+                heads = resolve_total_kv_heads(
+                    getattr(self.kv_args, "total_kv_head_num", None),
+                    getattr(self.kv_args, "kv_head_num", 0) or 0,
+                    prefill_tp,
+                )
+            try:
+                layout = HeadLayout(prefill_tp, decode_tp, heads)
+            except HeadLayoutError as exc:
+                raise HeadLayoutError(
+                    f"nixl-ext: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
+                    f"{decode_tp}: {exc}"
+                ) from None
+            self._ext_layouts[key] = layout
+        return layout
+
+    def _ext_kinds(self, peer_name: str, src_ptrs, dst_ptrs, what: str):
+        local = mem_kind.single_kind([p for p in src_ptrs if p], self._ext_local_kinds, f"prefill {what}")
+        peer = self._ext_peer_kinds.get(peer_name, {})
+        dst = [int(p) for p in dst_ptrs if p]
+        if dst and all(p in peer for p in dst):
+            remote = mem_kind.single_kind(dst, peer, f"decode {what}")
+        else:
+            remote = mem_kind.VRAM  # not inspected (e.g. legacy path): stock's assumption
+        return self.agent.kinds(local, remote)
+
+    # -- sends -------------------------------------------------------------------------------
+    def _send_kvcache_generic(self, peer_name, src_data_ptrs, dst_data_ptrs, *args, **kwargs):
+        with self._ext_kinds(peer_name, src_data_ptrs, dst_data_ptrs, "pages"):
+            return super()._send_kvcache_generic(peer_name, src_data_ptrs, dst_data_ptrs, *args, **kwargs)
+
+    def maybe_send_extra(self, peer_name, *args, **kwargs):
+        src = [p for p, _ in _flatten_state(self.kv_args)]
+        if not src:
+            return super().maybe_send_extra(peer_name, *args, **kwargs)
+        info = self.decode_kv_args_table.get(peer_name)
+        dst = _flatten_ptrs(getattr(info, "dst_state_data_ptrs", [])) if info is not None else []
+        with self._ext_kinds(peer_name, src, dst, "state"):
+            return super().maybe_send_extra(peer_name, *args, **kwargs)
+
+    def send_kvcache_slice(
+        self,
+        peer_name: str,
+        prefill_kv_indices,
+        dst_kv_ptrs: list,
+        dst_kv_indices,
+        dst_gpu_id: int,
+        notif: str,
+        prefill_tp_size: int,
+        decode_tp_size: int,
+        decode_tp_rank: int,
+        dst_kv_item_len: int,
+    ):
+        """Write this rank's share of the decode rank's heads (see ``HeadLayout``)."""
+        layout = self._ext_layout(prefill_tp_size, decode_tp_size)
+        head_slice = layout.head_slice(
+            self.kv_args.engine_rank % prefill_tp_size, decode_tp_rank % decode_tp_size
+        )
+        src_pages = np.asarray(prefill_kv_indices, dtype=np.int64)
+        dst_pages = np.asarray(dst_kv_indices, dtype=np.int64)
+        if not head_slice.is_sender or src_pages.size == 0:
+            # A replica (another prefill rank sends these heads) or nothing to
+            # send: decode still counts this rank's notification.
+            return self.agent.send_notif(peer_name, notif.encode("ascii"))
+        page_size = self.kv_args.page_size
+        src_item_len = self.kv_args.kv_item_lens[0]
+        head_bytes = head_bytes_from_item_len(dst_kv_item_len, page_size, layout.decode_heads_per_rank)
+        src_head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
+        if src_head_bytes != head_bytes:
+            raise HeadLayoutError(
+                f"one KV head is {src_head_bytes} bytes per token on prefill but {head_bytes} on decode"
+            )
+        src_k, src_v, dst_k, dst_v, n_layers = self.get_mha_kv_ptrs_with_pp(self.kv_args.kv_data_ptrs, dst_kv_ptrs)
+        rows = build_head_slice_descriptors(
+            list(src_k[:n_layers]) + list(src_v[:n_layers]),
+            list(dst_k[:n_layers]) + list(dst_v[:n_layers]),
+            src_pages,
+            dst_pages,
+            page_size=page_size,
+            src_item_len=src_item_len,
+            dst_item_len=dst_kv_item_len,
+            head_slice=head_slice,
+            head_bytes=head_bytes,
+        )
+        src_kind = mem_kind.single_kind(self.kv_args.kv_data_ptrs, self._ext_local_kinds, "prefill KV")
+        peer = self._ext_peer_kinds.get(peer_name, {})
+        dst_kind = mem_kind.single_kind(dst_kv_ptrs, peer, "decode KV") if peer else mem_kind.VRAM
+        n = rows.shape[0]
+        src_reqs = np.empty((n, 3), dtype=np.int64)
+        dst_reqs = np.empty((n, 3), dtype=np.int64)
+        src_reqs[:, 0], src_reqs[:, 1] = rows[:, 0], rows[:, 2]
+        dst_reqs[:, 0], dst_reqs[:, 1] = rows[:, 1], rows[:, 2]
+        src_reqs[:, 2] = mem_kind.device_id(src_kind, self.kv_args.gpu_id)
+        dst_reqs[:, 2] = mem_kind.device_id(dst_kind, dst_gpu_id)
+        agent = self.agent._agent
+        src_descs = agent.get_xfer_descs(src_reqs, src_kind)
+        dst_descs = agent.get_xfer_descs(dst_reqs, dst_kind)
+        handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name, notif.encode("ascii"))
+        if not handle:
+            raise Exception("Failed to create sliced KV transfer")
+        if agent.transfer(handle) == "ERR":
+            raise Exception("Failed to post sliced KV transfer")
+        return handle
+
+    # -- failures ------------------------------------------------------------------------------
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last, chunk_id, *args, **kwargs):
+        """Stock's request, but a room that cannot be served ends Failed instead of raising."""
+        if bootstrap_room in self._ext_failed_rooms:
+            if is_last:
+                self._ext_forget_room(bootstrap_room)
+            return []
+        peers = list(self.transfer_infos.get(bootstrap_room, {}).values())
+        for req in peers:
+            error = self._ext_peer_errors.get(req.agent_name)
+            if error is not None:
+                self.record_failure(bootstrap_room, error)
+                if is_last:
+                    self._ext_forget_room(bootstrap_room)
+                return []
+        try:
+            return super().add_transfer_request(
+                bootstrap_room, kv_indices, index_slice, is_last, chunk_id, *args, **kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure must end the room, not the scheduler
+            logger.error("nixl-ext: room %s failed: %s", bootstrap_room, exc)
+            self.record_failure(bootstrap_room, f"{type(exc).__name__}: {exc}")
+            if is_last:
+                self._ext_forget_room(bootstrap_room)
+            return []
+
+    def _ext_forget_room(self, room: int) -> None:
+        self.transfer_infos.pop(room, None)
+        prefix = getattr(self, "req_to_decode_prefix_len", None)
+        if isinstance(prefix, dict):
+            prefix.pop(room, None)
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str):
+        super().record_failure(bootstrap_room, failure_reason)
+        if not getattr(self, "_ext_is_prefill", False):
+            return
+        with self._ext_lock:
+            self._ext_failed_rooms[bootstrap_room] = str(failure_reason)
+            first = bootstrap_room not in self._ext_notified_rooms
+            self._ext_notified_rooms.add(bootstrap_room)
+        self.update_status(bootstrap_room, KVPoll.Failed)
+        if first:
+            self._ext_notify_failure(bootstrap_room, str(failure_reason))
+
+    def _ext_notify_failure(self, room: int, reason: str) -> None:
+        """Tell every decode rank of ``room`` that this prefill rank gave up on it."""
+        tag = failure_tag(room, self._ext_pp_rank, self._ext_engine_rank, reason).encode("ascii")
+        for req in list(self.transfer_infos.get(room, {}).values()):
+            try:
+                self.agent._agent.send_notif(req.agent_name, tag)
+            except Exception as exc:  # noqa: BLE001 - decode then ends by its own timeout
+                logger.warning("nixl-ext: could not tell decode %s that room %s failed: %s", req.agent_name, room, exc)
+
+    def _ext_on_failure_notice(self, peer: str, notice) -> None:
+        """Decode: a prefill rank reported ``notice.room`` as failed."""
+        statuses = getattr(self, "transfer_statuses", None)
+        if statuses is None:
+            return
+        statuses[notice.room].is_failure = True
+        super().record_failure(
+            notice.room, f"prefill rank {notice.sender_id} ({peer}) failed the transfer: {notice.reason}"
+        )
+
+    def _ext_room_failure(self, room: int) -> Optional[str]:
+        return self._ext_failed_rooms.get(room)
+
+
+# --- sender -------------------------------------------------------------------------------
+
+
+class NixlExtKVSender(NixlKVSender):
+    """Stock sender; a room the manager failed polls as Failed, a NIXL error too."""
+
+    def poll(self) -> KVPoll:
+        mgr = self.kv_mgr
+        if isinstance(mgr, NixlExtKVManager) and mgr._ext_room_failure(self.bootstrap_room) is not None:
+            return KVPoll.Failed
+        try:
+            return super().poll()
+        except Exception as exc:  # noqa: BLE001 - stock raises on an ERR transfer
+            if not isinstance(mgr, NixlExtKVManager):
+                raise
+            mgr.record_failure(self.bootstrap_room, f"NIXL transfer error: {exc}")
+            return KVPoll.Failed
+
+    def failure_exception(self):
+        mgr = self.kv_mgr
+        reason = mgr._ext_room_failure(self.bootstrap_room) if isinstance(mgr, NixlExtKVManager) else None
+        if reason is not None:
+            raise RuntimeError(f"NIXL KVSender failed room {self.bootstrap_room}: {reason}")
+        return super().failure_exception()
+
+
+def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
+    """Names in ``sglang.srt.disaggregation.nixl`` to route to the plugin.
+
+    The same classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
+    differences they meet (state-pointer layout, the method and field that
+    build notification tags, the sender's failure path) are handled where
+    they appear, by shape, not by version.
+    """
+    if policy.support is not Support.ACTIVE:
+        return {}
+    return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender}

@@ -1,0 +1,174 @@
+"""Built-in NIXL scenarios for F4: used by ``test/integration/test_nixl_ext.py`` and ``selftest``.
+
+Each scenario runs through the transfer harness (real NIXL over UCX on
+127.0.0.1, CPU tensors, one process per rank) and says what counts as a pass
+and what stock SGLang does on each release, so tests and the selftest table
+read the same facts.
+
+Stock runs of the heterogeneous-TP scenarios get the harness's host-memory
+shim (``harness/nixl_shim.py``): without it stock fails at buffer registration
+on a CPU-only UCX and never reaches the head slice or the notification keys
+those scenarios are about. ``-ext`` runs never get it. The host-memory
+scenario runs stock without the shim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.harness import nixl_shim
+from sglang_disagg_ext.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+)
+
+# Short SGLang timeouts: a stock decode that never completes ends Failed in
+# seconds; request_s leaves room for two cores shared by every rank.
+TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=6.0, sglang_bootstrap_s=6.0)
+HEAD_DIM = 8  # bf16: 16 bytes per head per token
+
+
+def tp_scenario(prefill_tp: int, decode_tp: int, heads: int, chunks: int = 2) -> Scenario:
+    """KV pages 1-3 -> 5-7 (two sends), aux row 1 -> 2, ``heads`` total KV heads."""
+    return Scenario(
+        name=f"tp{prefill_tp}->tp{decode_tp} {heads} kv head{'s' if heads > 1 else ''}",
+        requests=[RequestSpec([1, 2, 3], [5, 6, 7], aux_index=1, dst_aux_index=2, send_chunks=chunks)],
+        kv=KVPoolSpec(num_pages=9, head_num=heads, head_dim=HEAD_DIM),
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        timeouts=TIMEOUTS,
+    )
+
+
+def swa_host_scenario() -> Scenario:
+    """TP 1 -> 1, SWA state from host memory: a good request, a length mismatch, a good one."""
+    kind = "swa"
+    return Scenario(
+        name="swa state from host memory",
+        requests=[
+            RequestSpec([1, 2], [3, 4], aux_index=0, dst_aux_index=1, state=[StateSpec(kind, [1, 2, 3], [4, 5, 6])]),
+            RequestSpec([5, 6], [7, 8], aux_index=1, dst_aux_index=2, state=[StateSpec(kind, [7, 8, 9], [10, 11])]),
+            RequestSpec([9], [10], aux_index=2, dst_aux_index=3, state=[StateSpec(kind, [12], [13])]),
+        ],
+        kv=KVPoolSpec(num_pages=12, head_num=2, head_dim=HEAD_DIM),
+        state_pools=[StatePoolSpec(kind=kind, num_pages=16, head_dim=HEAD_DIM)],
+        timeouts=TIMEOUTS,
+    )
+
+
+def layout_scenario() -> Scenario:
+    """3 KV heads, prefill TP 1 -> decode TP 2: decode TP 2 cannot hold 3 heads."""
+    scn = tp_scenario(1, 2, 3, chunks=1)
+    scn.name = "3 kv heads to decode tp 2 refused"
+    scn.hidden_size = 96  # the model config needs hidden_size % attention heads == 0
+    return scn
+
+
+# -- pass criteria ------------------------------------------------------------
+
+
+def all_ok(result) -> bool:
+    return result.ok
+
+
+def _final_in_time(r, bound_s: float) -> bool:
+    return (
+        r.prefill_status == "Failed"
+        and r.decode_status == "Failed"
+        and r.decode_seconds is not None
+        and r.decode_seconds <= bound_s
+    )
+
+
+def swa_ok(result) -> bool:
+    """Requests 0 and 2 transfer every byte; request 1 (3 vs 2 pages) ends Failed on both sides, fast."""
+    if result.error or len(result.requests) != 3:
+        return False
+    good = result.requests[0].ok and result.requests[2].ok
+    # Well under SGLang's own waiting timeout: decode was told, it did not time out.
+    return good and _final_in_time(result.requests[1], TIMEOUTS.sglang_waiting_s - 1.0)
+
+
+def swa_host_ok(result) -> bool:
+    """The host-memory part alone: request 0 transferred."""
+    return not result.error and bool(result.requests) and result.requests[0].ok
+
+
+def swa_mismatch_ok(result) -> bool:
+    return not result.error and len(result.requests) > 1 and _final_in_time(
+        result.requests[1], TIMEOUTS.sglang_waiting_s - 1.0
+    )
+
+
+def layout_ok(result) -> bool:
+    """Both sides Failed quickly, and the reason names the numbers."""
+    if not result.requests:
+        return False
+    r = result.requests[0]
+    reason = " ".join(filter(None, [r.prefill_failure_reason, r.decode_failure_reason]))
+    return _final_in_time(r, TIMEOUTS.sglang_waiting_s - 1.0) and "3 KV heads" in reason and "2" in reason
+
+
+# -- the table ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NixlScenario:
+    name: str
+    build: Callable[[], Scenario]
+    passed: Callable = all_ok
+    # "fail" / "pass": what stock does on a release, from its policy.
+    stock_expectation: Callable[[releases.ReleasePolicy], str] = lambda policy: "pass"
+    stock_shim: bool = True  # stock runs get the host-memory shim (see module docstring)
+    decode_backend_for_ext: Optional[str] = None  # mixed run: ext prefill, this decode
+
+    def stock_env(self) -> Optional[Dict[str, str]]:
+        return {nixl_shim.ENV: "1"} if self.stock_shim else None
+
+    def ext_env(self) -> Optional[Dict[str, str]]:
+        # A stock decode in a mixed run needs the shim to register host memory.
+        return {nixl_shim.ENV: "1"} if self.decode_backend_for_ext else None
+
+
+def _f4_live(policy) -> str:
+    return "fail" if policy.is_live("F4") else "pass"
+
+
+def _always_fail(policy) -> str:
+    return "fail"
+
+
+def builtin_scenarios() -> List[NixlScenario]:
+    out = []
+    for p, d in ((2, 1), (1, 2)):
+        for h in (1, 2, 4):
+            # Stock <= 0.5.11 keys every prefill rank alike: with P > D decode never completes.
+            expect = _f4_live if p > d else (lambda policy: "pass")
+            out.append(NixlScenario(f"kv tp{p}->tp{d} h{h}", lambda p=p, d=d, h=h: tp_scenario(p, d, h), all_ok, expect))
+    # 2 KV heads over decode TP 4: stock maps decode replicas by modulo (ranks 2, 3 get head 0).
+    out.append(NixlScenario("kv tp1->tp4 h2", lambda: tp_scenario(1, 4, 2, chunks=1), all_ok, _always_fail))
+    out.append(
+        NixlScenario(
+            "ext prefill, stock decode, tp2->tp1 h2",
+            lambda: tp_scenario(2, 1, 2),
+            all_ok,
+            lambda policy: "pass",
+            decode_backend_for_ext="nixl",
+        )
+    )
+    out.append(NixlScenario("swa state from host memory", swa_host_scenario, swa_ok, _always_fail, stock_shim=False))
+    out.append(NixlScenario("3 kv heads over decode tp 2", layout_scenario, layout_ok, _always_fail))
+    return out
+
+
+def by_name(name: str) -> NixlScenario:
+    for s in builtin_scenarios():
+        if s.name == name:
+            return s
+    raise KeyError(name)
