@@ -140,6 +140,29 @@ def _f4_live(policy) -> str:
     return "fail" if policy.is_live("F4") else "pass"
 
 
+def stock_slice_uses_total_heads() -> bool:
+    """Whether the installed stock ``send_kvcache_slice`` reads ``total_kv_head_num``.
+
+    Read from the installed module's source text: 0.5.10.post1 uses the per-rank
+    count instead, so a head replicated over decode ranks gives 0 heads per
+    decode rank and a ZeroDivisionError (0.5.10.post1 nixl/conn.py:484, :489).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
+    if spec is None or not spec.origin:
+        return True
+    with open(spec.origin, encoding="utf-8") as f:
+        text = f.read()
+    start = text.find("def send_kvcache_slice")
+    end = text.find("\n    def ", start + 1)
+    return "total_kv_head_num" in text[start:end]
+
+
+def _decode_replicated_single_head(policy) -> str:
+    return "pass" if stock_slice_uses_total_heads() else "fail"
+
+
 def _always_fail(policy) -> str:
     return "fail"
 
@@ -149,9 +172,14 @@ def builtin_scenarios() -> List[NixlScenario]:
     for p, d in ((2, 1), (1, 2)):
         for h in (1, 2, 4):
             # Stock <= 0.5.11 keys every prefill rank alike: with P > D decode never completes.
-            expect = _f4_live if p > d else (lambda policy: "pass")
+            if p > d:
+                expect = _f4_live
+            elif h < d:
+                expect = _decode_replicated_single_head
+            else:
+                expect = lambda policy: "pass"  # noqa: E731
             out.append(NixlScenario(f"kv tp{p}->tp{d} h{h}", lambda p=p, d=d, h=h: tp_scenario(p, d, h), all_ok, expect))
-    # 2 KV heads over decode TP 4: stock maps decode replicas by modulo (ranks 2, 3 get head 0).
+    # 2 KV heads over decode TP 4: stock maps decode replicas by modulo (ranks 1 and 2 get the other head).
     out.append(NixlScenario("kv tp1->tp4 h2", lambda: tp_scenario(1, 4, 2, chunks=1), all_ok, _always_fail))
     out.append(
         NixlScenario(

@@ -9,7 +9,8 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   of several prefill ranks holding the same head sends it. Stock 0.5.10.post1
   treats a replicated half head as a head (silent corruption); 0.5.11 and
   0.5.12.x map decode-side replicas by modulo (e.g. 2 heads, prefill TP 1 ->
-  decode TP 4: decode ranks 2 and 3 get head 0 instead of head 1).
+  decode TP 4: decode rank 1 gets head 1 and rank 2 head 0, the other way
+  round; 0.5.11 conn.py:555, 0.5.12.post1 conn.py:1003).
 * **Notification key**: every NIXL notification this prefill rank emits
   carries ``notification_sender_id(pp_rank, engine_rank)`` in its sender
   field (``core.nixl_notif.with_sender_id``), whatever method of whatever
