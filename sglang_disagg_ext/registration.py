@@ -184,12 +184,9 @@ def deactivate() -> None:
     for (package_name, attr), original in list(_replaced.items()):
         setattr(importlib.import_module(package_name), attr, original)
     _replaced.clear()
-    try:
-        from sglang_disagg_ext.retract import uninstall_retract_fixes
-    except ImportError:
-        pass
-    else:
-        uninstall_retract_fixes()
+    from sglang_disagg_ext.retract import uninstall_retract_fixes
+
+    uninstall_retract_fixes()
     _active_backend = None
 
 
