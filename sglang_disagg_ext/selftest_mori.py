@@ -77,7 +77,13 @@ def standin_env() -> Dict[str, str]:
     parts = [path, _repo_root()]
     if os.environ.get("PYTHONPATH"):
         parts.append(os.environ["PYTHONPATH"])
-    return {"PYTHONPATH": os.pathsep.join(parts)}
+    # Aux rows through the engine (batch_write), not SGLang's default TCP path:
+    # that path sends each aux buffer from a per-thread ZMQ socket and the
+    # Success status from another, so decode can see Success before the last
+    # aux rows land (seen with stock 0.5.23: rows of buffers 6-9 still unwritten
+    # when decode polled Success). That race is SGLang's aux transport, not the
+    # per-component state path F3 is about, and would make these checks flaky.
+    return {"PYTHONPATH": os.pathsep.join(parts), "SGLANG_MORI_SEND_AUX_RDMA": "1"}
 
 
 def standin_usable(timeout_s: float = 30.0) -> Tuple[bool, str]:
