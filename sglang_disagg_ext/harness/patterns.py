@@ -178,6 +178,14 @@ def _identify(actual_page: np.ndarray, pool_id: int, buffer: int, num_pages: int
     return f"unrecognised bytes ({n_sent}/{actual_page.size} bytes still sentinel)"
 
 
+def dirty_sentinel_pages(actual: np.ndarray, expectation: PoolExpectation) -> List[int]:
+    """Pages that must still hold the sentinel but do not (uint8[num_pages, item_bytes])."""
+    if not expectation.sentinel_pages:
+        return []
+    rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)
+    return rows[~np.all(actual[rows] == SENTINEL, axis=1)].tolist()
+
+
 def compare_buffer(
     actual: np.ndarray,
     pool_id: int,
@@ -210,11 +218,8 @@ def compare_buffer(
                 f"{_identify(got, pool_id, buffer, n_src)} ({bad.size}/{item} bytes differ, "
                 f"first at offset {int(bad[0])})"
             )
-    if expectation.sentinel_pages:
-        rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)
-        dirty = rows[~np.all(actual[rows] == SENTINEL, axis=1)]
-        for p in dirty.tolist():
-            add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src)}")
+    for p in dirty_sentinel_pages(actual, expectation):
+        add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src)}")
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching pages not listed")
     return problems
@@ -323,11 +328,8 @@ def compare_kv_rank_buffer(
                 f"{byte // dtype_size}: expected prefill page {src[i]}'s element 0x{exp.tobytes().hex()}, "
                 f"found {what}"
             )
-    if expectation.sentinel_pages:
-        rows = np.asarray(expectation.sentinel_pages, dtype=np.int64)
-        dirty = rows[~np.all(actual[rows] == SENTINEL, axis=1)]
-        for p in dirty.tolist():
-            add(f"{label} ({kv} layer {layer}) page {p}: must be untouched, found written bytes")
+    for p in dirty_sentinel_pages(actual, expectation):
+        add(f"{label} ({kv} layer {layer}) page {p}: must be untouched, found written bytes")
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching elements not listed")
     return problems
