@@ -12,8 +12,13 @@ VENV := .venv-$(SGLANG)
 endif
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# patches/<release>/: the fixes as unified diffs against each release's sources.
+PATCH_RELEASES ?= $(sort $(notdir $(patsubst %/,%,$(dir $(wildcard patches/*/*.patch)))))
+PATCHED := .patched-$(SGLANG)
+PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nixl_ext.py \
+	test/integration/test_retract_f5.py test/integration/test_mori_ext.py
 
-.PHONY: setup test test-all demo bench doctor clean
+.PHONY: setup test test-all demo bench doctor clean check-patches test-patched
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -37,8 +42,23 @@ demo: setup
 doctor: setup
 	$(VENV)/bin/sglang-disagg-ext doctor
 
+# Every release's patches still apply to that release's pinned sources (its venv).
+check-patches:
+	@set -e; for r in $(PATCH_RELEASES); do \
+	  $(MAKE) --no-print-directory setup SGLANG=$$r; \
+	  python3 scripts/apply_patches.py $$r --check; \
+	done
+
+# The differential tests with SGLang's own classes running the patched sources:
+# stock must pass every fix the patches carry (scripts/apply_patches.py).
+test-patched: setup
+	rm -rf $(PATCHED)
+	$(PY) scripts/apply_patches.py $(SGLANG) $(PATCHED)
+	PYTHONPATH=$(CURDIR)/$(PATCHED) $(PY) -m pytest $(PATCHED_TESTS) $(PYTEST_ARGS)
+
 bench: setup
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/bench.txt
 	$(PY) -m bench.run
 
 clean:
-	rm -rf .venv .venv-*
+	rm -rf .venv .venv-* .patched-*

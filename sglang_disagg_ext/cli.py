@@ -43,10 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["mooncake", "nixl", "mori"], action="append",
                    help="limit to these backends (repeatable); default: every engine available here")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
-    p.add_argument("--protocol", default="tcp",
-                   help="engine protocol for Mooncake (tcp, rdma); default tcp")
-    p.add_argument("--device", default="cpu", help="tensor device for pools (cpu, cuda); default cpu")
-    p.add_argument("--ib-device", default=None, help="RDMA device for Mooncake (with --protocol rdma)")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
+                   help="how the engines move bytes: Mooncake's TransferEngine protocol; for NIXL the UCX "
+                        "transports (tcp: UCX_TLS=tcp,self,sm; rdma: rc,ud,self). Default tcp")
+    p.add_argument("--device", default="cpu", metavar="{cpu,cuda,cuda:N}",
+                   help="where the KV and state pools live (aux metadata buffers stay in host memory, as in "
+                        "SGLang); default cpu")
+    p.add_argument("--ib-device", default=None,
+                   help="RDMA device(s), e.g. mlx5_0 or mlx5_0,mlx5_1 (with --protocol rdma): SGLang's "
+                        "--disaggregation-ib-device for Mooncake, UCX_NET_DEVICES for NIXL")
+    p.add_argument("--scenario", action="append", metavar="NAME",
+                   help="run only this scenario (repeatable; exact row name)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
     p.set_defaults(func=_selftest)
     return parser

@@ -84,6 +84,8 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "support": policy.support.value,
         "state_layout": policy.layout.value if policy.layout else None,
         "fixes": fixes,
+        # Fixes the SGLang sources carry from patches/ (reported as upstream above).
+        "patched_sources": list(policy.patched),
         "engines": engines,
         "entry_point": discovered,
         "entry_point_detail": entry_reason,
@@ -113,6 +115,7 @@ def format_report(report: Dict) -> str:
         f"SGLang:       {report['sglang_version'] or '(not installed)'} "
         f"({report['support']}, state layout {report['state_layout'] or '-'})",
         f"plugin:       sglang-disagg-ext {report['plugin_version'] or '(not installed)'}",
+        f"patched:      {', '.join(report['patched_sources']) or 'no'} (fixes from patches/ in the SGLang sources)",
         f"entry point:  {yes_no[report['entry_point']]} ({report['entry_point_detail']})",
         "engines:      "
         + ", ".join(f"{name} {yes_no[ok]}" for name, ok in report["engines"].items()),

@@ -13,6 +13,13 @@ other requests reuse them, and the retracted request still points at them:
   requests, and NSA attention reads garbage after resume. The inherited
   ``_clear_buffers`` (:1570) leaves that buffer allocated.
 
+SGLang 0.5.12 / 0.5.12.post1 carry upstream's fix, but its NSA offload is
+``get_cpu_copy(self, indices)`` (0.5.12.post1 ``mem_cache/memory_pool.py:2145``)
+while ``PagedTokenToKVPoolAllocator.get_cpu_copy`` calls it with
+``mamba_indices=`` (``allocator.py:524``): every retract on an NSA pool raises
+TypeError there. The same hooks are installed on 0.5.12.x; their ``get_buf``
+copy and ``_clear_buffers`` only repeat what that release already does.
+
 What this module installs (one function, :func:`install_retract_fixes`):
 
 * ``MetadataBuffers.get_buf`` returns copies (whatever fields the release's own
@@ -21,8 +28,8 @@ What this module installs (one function, :func:`install_retract_fixes`):
   KV rows *and* the index-key pages of the request, per layer, in chunks of the
   pool's own ``cpu_offloading_chunk_size`` (tokens for KV, whole pages for the
   index keys). They take the base class's arguments in every release
-  (``(indices)`` in 0.5.10.post1, ``(indices, mamba_indices=None)`` in 0.5.11,
-  extra keywords tolerated) and return an :class:`NSACpuCopy`: a ``list`` laid
+  (``(indices)`` in 0.5.10.post1, ``(indices, mamba_indices=None)`` in 0.5.11
+  and 0.5.12.x, extra keywords tolerated) and return an :class:`NSACpuCopy`: a ``list`` laid
   out exactly like the base class's return value (one list of KV chunks per
   layer) that also carries the index-key chunks. Stock retract callers treat the
   value as opaque (``Req.offload_kv_cache`` stores it, ``load_kv_cache`` hands it
@@ -293,6 +300,11 @@ def _original_callable(cls: type, name: str):
         if name in base.__dict__:
             return base.__dict__[name]
     raise AttributeError(f"{cls.__name__}.{name}")
+
+
+def stock_callable(cls: type, name: str):
+    """SGLang's own ``cls.name`` (defined on ``cls`` or inherited), whether or not the hooks are installed."""
+    return _original_callable(cls, name)
 
 
 def _mark(fn, name: str):

@@ -15,6 +15,7 @@ scenario runs stock without the shim.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Dict, List, Optional
 
 from sglang_disagg_ext import releases
@@ -29,8 +30,10 @@ from sglang_disagg_ext.harness.scenario import (
 )
 
 # Short SGLang timeouts: a stock decode that never completes ends Failed in
-# seconds; request_s leaves room for two cores shared by every rank.
-TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=6.0, sglang_bootstrap_s=6.0)
+# seconds; request_s leaves room for two cores shared by every rank. 6 s was
+# too short on a loaded 2-core runner (load ~11): a decode timed out before a
+# CPU-starved prefill had posted its write, in ext and stock runs alike.
+TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=12.0, sglang_bootstrap_s=12.0)
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 
 
@@ -136,8 +139,24 @@ class NixlScenario:
         return {nixl_shim.ENV: "1"} if self.decode_backend_for_ext else None
 
 
-def _f4_live(policy) -> str:
-    return "fail" if policy.is_live("F4") else "pass"
+def _stock_conn_source() -> str:
+    """Text of the installed stock ``sglang.srt.disaggregation.nixl.conn`` ("" if absent)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
+    if spec is None or not spec.origin:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
+def _stock_slice_source() -> str:
+    text = _stock_conn_source()
+    start = text.find("def send_kvcache_slice")
+    if start < 0:
+        return ""
+    end = text.find("\n    def ", start + 1)
+    return text[start:end]
 
 
 def stock_slice_uses_total_heads() -> bool:
@@ -147,46 +166,97 @@ def stock_slice_uses_total_heads() -> bool:
     count instead, so a head replicated over decode ranks gives 0 heads per
     decode rank and a ZeroDivisionError (0.5.10.post1 nixl/conn.py:484, :489).
     """
-    import importlib.util
-
-    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
-    if spec is None or not spec.origin:
-        return True
-    with open(spec.origin, encoding="utf-8") as f:
-        text = f.read()
-    start = text.find("def send_kvcache_slice")
-    end = text.find("\n    def ", start + 1)
-    return "total_kv_head_num" in text[start:end]
+    text = _stock_slice_source()
+    return not text or "total_kv_head_num" in text
 
 
-def _decode_replicated_single_head(policy) -> str:
-    return "pass" if stock_slice_uses_total_heads() else "fail"
+def stock_slice_maps_decode_replicas_by_modulo() -> bool:
+    """Whether stock picks a decode rank's heads as ``(rank * heads per decode rank) % heads per prefill rank``.
+
+    That modulo is right while each decode rank holds distinct heads, and
+    wrong once a prefill rank holding several heads serves decode ranks that
+    replicate them (2 heads, TP 1 -> TP 4: decode rank 1 gets head 1, rank 2
+    head 0; 0.5.11 nixl/conn.py:554-556, 0.5.12.post1 :1002-1004). Upstream
+    later maps replicas by integer division (0.5.23 ``dst_replication``).
+    """
+    return "%src_heads_per_rank" in "".join(_stock_slice_source().split())
+
+
+def stock_kv_tag_sender_field() -> Optional[str]:
+    """The ``kv_args`` field stock puts last in its KV notification tag, e.g. "pp_rank".
+
+    ``<room>_kv_<chunk>_<last>_<field>``: 0.5.10.post1 (nixl/conn.py:751) and
+    0.5.11 (:923) use ``pp_rank``, so every TP rank of a prefill stage sends
+    the same key and a decode rank fed by several of them never completes;
+    0.5.12.x uses ``engine_rank`` (0.5.12.post1 :661-662). ``None`` if the tag
+    is not found where expected.
+    """
+    import re
+
+    text = _stock_conn_source()
+    for match in re.finditer(r"_kv_\{", text):
+        # The tag may be one f-string or several adjacent ones on following lines.
+        lines = text[match.start() :].split("\n")
+        tag = [lines[0]] + [ln for ln in itertools.takewhile(lambda ln: ln.lstrip().startswith('f"'), lines[1:])]
+        field = re.search(r"\{self\.kv_args\.(\w+)\}", "\n".join(tag))
+        if field:
+            return field.group(1)
+    return None
+
+
+# -- stock expectations, per scenario (what stock does where F4 is live) ---------
+
+
+def _fail_if(live_and: bool, policy) -> str:
+    return "fail" if policy.is_live("F4") and live_and else "pass"
+
+
+def _stock_many_prefill_to_one_decode(policy) -> str:
+    """P > D: decode completes only if each prefill rank sends its own key."""
+    return _fail_if(stock_kv_tag_sender_field() != "engine_rank", policy)
+
+
+def _stock_decode_replicated_single_head(policy) -> str:
+    """One head over decode TP 2: per-rank head math gives 0 heads per decode rank."""
+    return _fail_if(not stock_slice_uses_total_heads(), policy)
+
+
+def _stock_decode_replicas_of_several_heads(policy) -> str:
+    """A prefill rank with several heads serving decode ranks that replicate them."""
+    return _fail_if(not stock_slice_uses_total_heads() or stock_slice_maps_decode_replicas_by_modulo(), policy)
 
 
 def _always_fail(policy) -> str:
     return "fail"
 
 
+def _always_pass(policy) -> str:
+    return "pass"
+
+
 def builtin_scenarios() -> List[NixlScenario]:
     out = []
     for p, d in ((2, 1), (1, 2)):
         for h in (1, 2, 4):
-            # Stock <= 0.5.11 keys every prefill rank alike: with P > D decode never completes.
             if p > d:
-                expect = _f4_live
+                expect = _stock_many_prefill_to_one_decode
             elif h < d:
-                expect = _decode_replicated_single_head
+                expect = _stock_decode_replicated_single_head
             else:
-                expect = lambda policy: "pass"  # noqa: E731
+                expect = _always_pass
             out.append(NixlScenario(f"kv tp{p}->tp{d} h{h}", lambda p=p, d=d, h=h: tp_scenario(p, d, h), all_ok, expect))
-    # 2 KV heads over decode TP 4: stock maps decode replicas by modulo (ranks 1 and 2 get the other head).
-    out.append(NixlScenario("kv tp1->tp4 h2", lambda: tp_scenario(1, 4, 2, chunks=1), all_ok, _always_fail))
+    # 2 KV heads over decode TP 4 (each head on two decode ranks): see test_nixl_ext.py for the table.
+    out.append(
+        NixlScenario(
+            "kv tp1->tp4 h2", lambda: tp_scenario(1, 4, 2, chunks=1), all_ok, _stock_decode_replicas_of_several_heads
+        )
+    )
     out.append(
         NixlScenario(
             "ext prefill, stock decode, tp2->tp1 h2",
             lambda: tp_scenario(2, 1, 2),
             all_ok,
-            lambda policy: "pass",
+            _always_pass,
             decode_backend_for_ext="nixl",
         )
     )

@@ -5,18 +5,34 @@ scenario with the stock backend name and with the ``-ext`` name and reports
 whether each passed (bytes verified at the destination, sentinels untouched,
 both sides in the expected final state). Exit status is non-zero if any
 ``-ext`` run fails.
+
+``--protocol`` (tcp, rdma), ``--device`` (cpu, cuda, cuda:N) and
+``--ib-device`` reach every worker process: pools are built on that device
+and the engines started with that protocol (``harness.transport`` says what
+each means per engine). An option this machine cannot honour ends the
+command before any transfer (``--device cuda`` without CUDA, exit 2) or the
+run fails with a message naming it (RDMA that cannot start: "RDMA init
+failed ... ib device tried ..."), never a TCP or CPU result passed off as
+the option asked for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
+from sglang_disagg_ext.harness.transport import TransferOptions, TransportOptionError
+
+# Worker errors after which every further run of this selftest would fail the
+# same way (the engine or the device cannot start here): later scenarios are
+# reported, not run.
+_ENGINE_START_FAILURES = ("RDMA init failed", "CUDA is not available")
 
 # Row keys, in table order.
 COLUMNS = ("scenario", "fix", "backend", "stock", "ext", "verified", "seconds")
@@ -36,16 +52,56 @@ def _row(scenario, fix, backend, stock, ext, verified, seconds, **extra) -> Dict
     return row
 
 
-def mooncake_rows(policy, timeout_s: float) -> List[Dict]:
+def engine_start_failure(result) -> Optional[str]:
+    """The error of a run whose workers could not start their engine or device, else None."""
+    if result.setup_failed and any(m in (result.error or "") for m in _ENGINE_START_FAILURES):
+        return result.error
+    return None
+
+
+def observed(result) -> Dict:
+    """What the workers of one run report they built: engine transport(s) and pool devices.
+
+    Mooncake reports the transport it installed (``transport``); NIXL the
+    ``UCX_TLS`` its agent was created under.
+    """
+    transports, devices = set(), set()
+    for report in result.engines.values():
+        if report:
+            value = report.get("transport") or (f"ucx:{report['ucx_tls']}" if report.get("ucx_tls") else None)
+            if value:
+                transports.add(value)
+    for pools in result.pool_devices.values():
+        devices.update(d for d in pools.values() if d)
+    return {"engine_transport": sorted(transports), "pool_devices": sorted(devices)}
+
+
+def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
+    """A row for a scenario skipped because an earlier run showed the engine cannot start here."""
+    return _row(name, fix, backend, "fail", "fail", False, 0.0, ext_detail=f"not run: {why}", **extra)
+
+
+def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
+                  names: Optional[List[str]] = None) -> List[Dict]:
     from sglang_disagg_ext.harness.run import run_scenario
     from sglang_disagg_ext.scenarios_mooncake import scenarios_for
 
+    transfer = dataclasses.asdict(options or TransferOptions())
     rows = []
+    start_failure = None
     for builtin in scenarios_for(policy):
+        if names is not None and builtin.name not in names:
+            continue
+        if start_failure:
+            rows.append(not_run_row(builtin.name, builtin.fix, "mooncake", start_failure))
+            continue
         start = time.monotonic()
         scenario = builtin.build(policy)
-        stock = run_scenario(scenario, "mooncake", timeout_s=timeout_s)
-        ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s)
+        stock = run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer)
+        ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s, **transfer)
+        failure = engine_start_failure(ext) or engine_start_failure(stock)
+        if failure:
+            start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
         rows.append(
             _row(
                 builtin.name,
@@ -58,6 +114,7 @@ def mooncake_rows(policy, timeout_s: float) -> List[Dict]:
                 time.monotonic() - start,
                 stock_expected=builtin.stock_expectation(policy),
                 ext_detail=None if builtin.evaluate(ext) else ext.describe(logs=False),
+                **observed(ext),
             )
         )
     return rows
@@ -71,20 +128,107 @@ _ROW_SOURCES = {
 }
 
 
-def collect_rows(backends: List[str], timeout_s: float) -> List[Dict]:
+def collect_rows(backends: List[str], timeout_s: float, options: Optional[TransferOptions] = None,
+                 names: Optional[List[str]] = None) -> List[Dict]:
+    """Every row for ``backends`` plus the F5 rows; ``names`` limits them to those scenarios."""
+    options = (options or TransferOptions()).validated()
     policy = releases.current_policy()
     rows: List[Dict] = []
     for backend in backends:
         module_name, func_name = _ROW_SOURCES[backend]
         func = getattr(importlib.import_module(module_name), func_name)
         if backend == "mooncake":
-            rows.extend(func(policy, timeout_s))
+            rows.extend(func(policy, timeout_s, options=options, names=names))
+        elif backend == "nixl":
+            rows.extend(func(timeout_s=timeout_s, names=names, options=options))
         else:
-            rows.extend(func())
-    from sglang_disagg_ext.selftest_f5 import f5_rows
+            rows.extend(func(options=options, names=names))
+    from sglang_disagg_ext.selftest_f5 import f5_row_names, f5_rows
 
-    rows.extend(f5_rows())
+    # F5 rows run in this process on pools of ``device``; they move no bytes
+    # between processes, so the protocol does not apply to them.
+    if names is None or set(names) & set(f5_row_names()):
+        f5 = f5_rows(device=options.device)
+        rows.extend(r for r in f5 if names is None or r["scenario"] in names)
     return rows
+
+
+def scenario_names(backends: List[str]) -> List[str]:
+    """Every row name ``collect_rows`` can produce for ``backends`` on this release (runs nothing)."""
+    from sglang_disagg_ext.selftest_f5 import f5_row_names
+
+    policy = releases.current_policy()
+    names: List[str] = []
+    if "mooncake" in backends:
+        from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+
+        names += [b.name for b in scenarios_for(policy)]
+    if "nixl" in backends:
+        from sglang_disagg_ext.scenarios_nixl import builtin_scenarios
+
+        names += [b.name for b in builtin_scenarios()]
+    if "mori" in backends:
+        from sglang_disagg_ext.selftest_mori import ROW_NAMES
+
+        names += list(ROW_NAMES)
+    return names + f5_row_names()
+
+
+def device_preflight(options: TransferOptions, backends: List[str], asked: Optional[str] = None) -> Optional[str]:
+    """Why ``options.device`` cannot be used here, or None. Runs before any transfer.
+
+    ``asked``: the device as the operator wrote it (for the message).
+    """
+    if options.device_type != "cuda":
+        return None
+    import torch
+
+    return cuda_problem(
+        asked or options.device,
+        cuda_available=torch.cuda.is_available(),
+        device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        torch_version=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        mooncake_builds=installed_mooncake_builds() if "mooncake" in backends else [],
+    )
+
+
+def cuda_problem(device: str, *, cuda_available: bool, device_count: int, torch_version: str,
+                 torch_cuda: Optional[str], mooncake_builds: List[str]) -> Optional[str]:
+    """Pure: the reason a ``cuda[:N]`` device cannot be used, from the facts given."""
+    if not cuda_available:
+        return (
+            f"--device {device}: CUDA is not available here (torch.cuda.is_available() is False; "
+            f"torch {torch_version}, built for CUDA {torch_cuda}); "
+            "GPU pools need a node with a GPU and a CUDA build of torch"
+        )
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= device_count:
+        return f"--device {device}: GPU index {index} does not exist here ({device_count} GPU(s) visible)"
+    if mooncake_builds == [NON_CUDA_MOONCAKE]:
+        return (
+            f"--device {device}: the installed Mooncake is its non-CUDA build ({NON_CUDA_MOONCAKE}), "
+            "built without GPU memory support; install mooncake-transfer-engine (the CUDA build) "
+            "or limit the run with --backend nixl"
+        )
+    return None
+
+
+NON_CUDA_MOONCAKE = "mooncake-transfer-engine-non-cuda"
+
+
+def installed_mooncake_builds() -> List[str]:
+    """Names of the installed Mooncake transfer-engine distributions."""
+    from importlib import metadata
+
+    found = []
+    for name in ("mooncake-transfer-engine", NON_CUDA_MOONCAKE):
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
 
 
 def default_backends() -> List[str]:
@@ -111,22 +255,34 @@ def main(args) -> int:
     except releases.UnsupportedSGLangRelease as exc:
         print(f"selftest: {exc}", file=sys.stderr)
         return 2
-    if args.protocol != "tcp" or args.device != "cpu" or args.ib_device:
-        # The harness builds CPU pools and forces TCP today; refusing beats
-        # reporting a TCP/CPU result as if it were RDMA/GPU.
-        print(
-            "selftest: only --protocol tcp --device cpu is implemented by the transfer harness so far "
-            f"(asked: protocol={args.protocol}, device={args.device}, ib_device={args.ib_device})",
-            file=sys.stderr,
-        )
+    try:
+        options = TransferOptions(args.protocol, args.device, getattr(args, "ib_device", None)).validated()
+    except TransportOptionError as exc:
+        print(f"selftest: {exc}", file=sys.stderr)
         return 2
     backends = args.backend or default_backends()
-    rows = collect_rows(backends, args.timeout)
+    problem = device_preflight(options, backends, asked=args.device)
+    if problem:
+        print(f"selftest: {problem}", file=sys.stderr)
+        return 2
+    names = getattr(args, "scenario", None) or None
+    if names:
+        known = scenario_names(backends)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(
+                f"selftest: --scenario {', '.join(map(repr, unknown))}: no such scenario for backends "
+                f"{', '.join(backends)}; known: {', '.join(map(repr, known))}",
+                file=sys.stderr,
+            )
+            return 2
+    rows = collect_rows(backends, args.timeout, options=options, names=names)
     failed = [r for r in rows if r["ext"] == "fail"]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         print(f"SGLang {policy.version} ({policy.support.value}, {policy.layout.value} state layout)")
+        print(f"transfers: {options.describe()}")
         print(format_table(rows))
         for r in failed:
             print(f"\nFAILED with -ext: {r['scenario']}\n{r.get('ext_detail') or ''}")

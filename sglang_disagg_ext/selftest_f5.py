@@ -20,6 +20,15 @@ unconditionally, which raises on a CPU-only torch. To run *stock* on a CPU pool,
 that one call is neutralised (a no-op) for the stock run only; the ext run
 neutralises nothing.
 
+What stock does differs per release, and is read from the shape of the
+installed stock classes (:func:`stock_f5_shape`), never from a version string:
+0.5.10.post1 / 0.5.11 return views from ``get_buf`` and let the NSA pool
+inherit an offload and ``_clear_buffers`` that ignore the index keys: all three
+scenarios fail. 0.5.12.x clones in ``get_buf`` (disaggregation/utils.py:244)
+and releases the index keys (memory_pool.py:2067), but its own NSA offload
+``get_cpu_copy(self, indices)`` (:2145) rejects the ``mamba_indices=`` keyword
+the allocator passes (allocator.py:524): retract-resume fails with TypeError.
+
 ``f5_rows()`` is what ``sglang-disagg-ext selftest`` shows for F5.
 """
 
@@ -28,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import random
 import time
 import types
@@ -37,7 +47,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.retract import retract_fixes
+from sglang_disagg_ext.retract import retract_fixes, stock_callable
 
 PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
 
@@ -113,6 +123,68 @@ def torch_threads(n: int):
 
 def _needs_neutralising(device: str) -> bool:
     return torch.device(device).type == "cpu" and not torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------
+# What stock code does here, from the shape of the installed stock classes
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StockF5Shape:
+    """Facts about the installed release's stock F5 code (read correctly while the hooks are installed)."""
+
+    nsa_pool: bool  # NSATokenToKVPool exists
+    nsa_offloads_index_k: bool  # it defines its own get_cpu_copy (upstream's fix), not MLA's
+    nsa_offload_takes_mamba_indices: bool  # ... which accepts the allocator's mamba_indices= keyword
+    allocator_passes_mamba_indices: bool  # PagedTokenToKVPoolAllocator.get_cpu_copy has that keyword
+    nsa_clear_releases_index_k: bool  # its own _clear_buffers deletes index_k_with_scale_buffer
+    get_buf_copies: bool  # MetadataBuffers.get_buf clones its fields
+
+    def retract_stock(self, path: str = "scheduler") -> str:
+        """"pass" or "fail": stock retract-resume through ``path`` ("scheduler" or "pool")."""
+        if not self.nsa_offloads_index_k:
+            return "fail"  # index keys stay on the device and are overwritten
+        if path == "scheduler" and self.allocator_passes_mamba_indices and not self.nsa_offload_takes_mamba_indices:
+            return "fail"  # TypeError from the release's own call convention
+        return "pass"
+
+    def metadata_stock(self) -> str:
+        return "pass" if self.get_buf_copies else "fail"
+
+    def clear_stock(self) -> str:
+        return "pass" if self.nsa_clear_releases_index_k else "fail"
+
+
+def _accepts_keyword(fn, name: str) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _defined_on(fn, cls) -> bool:
+    return getattr(fn, "__qualname__", "").split(".")[0] == cls.__name__
+
+
+def stock_f5_shape() -> StockF5Shape:
+    """Read :class:`StockF5Shape` from the stock methods (``retract.stock_callable``) and their source."""
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    copies = ".clone()" in inspect.getsource(stock_callable(MetadataBuffers, "get_buf"))
+    passes = _accepts_keyword(PagedTokenToKVPoolAllocator.get_cpu_copy, "mamba_indices")
+    nsa = nsa_pool_class()
+    if nsa is None:
+        return StockF5Shape(False, False, False, passes, False, copies)
+    offload = stock_callable(nsa, "get_cpu_copy")
+    clear = stock_callable(nsa, "_clear_buffers")
+    return StockF5Shape(
+        nsa_pool=True,
+        nsa_offloads_index_k=_defined_on(offload, nsa),
+        nsa_offload_takes_mamba_indices=_accepts_keyword(offload, "mamba_indices"),
+        allocator_passes_mamba_indices=passes,
+        nsa_clear_releases_index_k=_defined_on(clear, nsa) and "index_k_with_scale_buffer" in inspect.getsource(clear),
+        get_buf_copies=copies,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -446,8 +518,13 @@ def _word(passed: Optional[bool]) -> str:
     return "n/a" if passed is None else ("pass" if passed else "fail")
 
 
-def _row(scenario: str, run: Callable[[bool], object], policy) -> Dict:
-    """Run ``scenario`` stock and ext; where F5 is upstream, stock is "n/a" and ext is the release's own code."""
+def _row(scenario: str, run: Callable[[bool], object], policy, stock_expected: str) -> Dict:
+    """Run ``scenario`` stock and ext; where F5 is upstream, stock is "n/a" and ext is the release's own code.
+
+    Where F5 is live, ``verified`` means ext passed and stock did what the
+    shape of its code says (``stock_expected``): "fail" where that part of F5
+    is live, "pass" for the parts 0.5.12.x already fixed.
+    """
     t0 = time.perf_counter()
     live = policy.is_live("F5")
     notes: List[str] = []
@@ -470,7 +547,10 @@ def _row(scenario: str, run: Callable[[bool], object], policy) -> Dict:
     except LookupError as exc:  # the class does not exist in this release
         notes.append(str(exc))
         stock = ext = None
-    verified = ext is True and (stock is False if live else True)
+    if live:
+        verified = ext is True and stock is not None and _word(stock) == stock_expected
+    else:
+        verified = ext is True
     return {
         "scenario": scenario,
         "fix": "F5",
@@ -479,8 +559,18 @@ def _row(scenario: str, run: Callable[[bool], object], policy) -> Dict:
         "ext": _word(ext),
         "verified": verified,
         "seconds": round(time.perf_counter() - t0, 3),
+        "stock_expected": stock_expected if live else "n/a",
         "note": "; ".join(notes),
     }
+
+
+def f5_row_names(cycles: int = 100) -> List[str]:
+    """The scenario names of ``f5_rows``, in order."""
+    return [
+        f"retract-resume NSA kv+index_k ({cycles} cycles)",
+        "metadata get_buf isolated from slot reuse",
+        "NSA _clear_buffers releases index_k",
+    ]
 
 
 def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]:
@@ -492,13 +582,15 @@ def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]
         from sglang.srt.disaggregation import utils  # noqa: F401
     except Exception:
         pass  # the rows report what is missing
+    retract_name, metadata_name, clear_name = f5_row_names(cycles)
+    try:
+        shape = stock_f5_shape()
+        expect = (shape.retract_stock("scheduler"), shape.metadata_stock(), shape.clear_stock())
+    except Exception as exc:  # noqa: BLE001 - the rows then say why nothing could be predicted
+        expect = (f"unknown ({type(exc).__name__}: {exc})",) * 3
     rows = [
-        _row(
-            f"retract-resume NSA kv+index_k ({cycles} cycles)",
-            lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device),
-            policy,
-        ),
-        _row("metadata get_buf isolated from slot reuse", lambda ext: metadata_scenario(ext), policy),
-        _row("NSA _clear_buffers releases index_k", lambda ext: clear_buffers_scenario(ext, device=device), policy),
+        _row(retract_name, lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device), policy, expect[0]),
+        _row(metadata_name, lambda ext: metadata_scenario(ext), policy, expect[1]),
+        _row(clear_name, lambda ext: clear_buffers_scenario(ext, device=device), policy, expect[2]),
     ]
     return rows

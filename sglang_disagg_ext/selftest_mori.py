@@ -157,12 +157,21 @@ def kv_only_scenario(name: str) -> Scenario:
 
 
 def run(scenario: Scenario, backend: str, decode_backend: Optional[str] = None, timeout_s: float = 240.0,
-        real_engine: bool = False):
-    """One harness run with the stand-in on the children's path (unless ``real_engine``)."""
+        real_engine: bool = False, device: str = "cpu", ib_device: Optional[str] = None, protocol: str = "tcp"):
+    """One harness run with the stand-in on the children's path (unless ``real_engine``).
+
+    ``device``/``ib_device`` apply to the real engine only (SGLang passes the
+    IB device to MoRI as ``MORI_RDMA_DEVICES``); the stand-in copies host memory.
+    MoRI has no protocol choice (SGLang configures its RDMA backend):
+    ``protocol`` only travels along for the record.
+    """
     from sglang_disagg_ext.harness.run import run_scenario
 
     extra = None if real_engine else standin_env()
-    return run_scenario(scenario, backend, timeout_s=timeout_s, extra_env=extra, decode_backend=decode_backend)
+    return run_scenario(
+        scenario, backend, timeout_s=timeout_s, extra_env=extra, decode_backend=decode_backend,
+        device=device, ib_device=ib_device, protocol=protocol,
+    )
 
 
 def _texts(res) -> str:
@@ -227,16 +236,37 @@ ROW_NAMES = ("mori-hybrid-state", "mori-flat-decode-refused", "mori-flat-prefill
 ENGINE_ENV = "SGLANG_DISAGG_EXT_MORI_ENGINE"
 
 
-def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None) -> List[Dict]:
+def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, options=None,
+              names: Optional[List[str]] = None) -> List[Dict]:
     """The F3 rows of the selftest table (see the module docstring).
 
     ``real_engine``: use the installed ``mori`` instead of the stand-in;
-    default from ``$SGLANG_DISAGG_EXT_MORI_ENGINE`` (``real``).
+    default from ``$SGLANG_DISAGG_EXT_MORI_ENGINE`` (``real``). ``options``
+    (``TransferOptions``): the stand-in copies host memory between processes
+    and has no transports, so anything but CPU pools over the default protocol
+    makes its rows "n/a" with the reason; the real engine gets the device and
+    IB device. ``names`` limits the rows.
     """
+    from sglang_disagg_ext.harness.transport import TransferOptions
+
+    options = (options or TransferOptions()).validated()
     if real_engine is None:
         real_engine = os.environ.get(ENGINE_ENV, "").lower() == "real"
+    rows = _mori_rows(timeout_s, real_engine, options)
+    return [r for r in rows if names is None or r["scenario"] in names]
+
+
+def _mori_rows(timeout_s: float, real_engine: bool, options) -> List[Dict]:
     policy = releases.current_policy()
     engine = REAL_ENGINE_NOTE if real_engine else ENGINE_NOTE
+    if not real_engine and not options.is_default:
+        why = (
+            f"asked for {options.describe()}: the MoRI stand-in engine copies host memory between processes "
+            "and has no transports to choose; these options apply to the real engine only "
+            f"({ENGINE_ENV}=real on a ROCm node with mori installed)"
+        )
+        return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES]
+    transfer = {"device": options.device, "ib_device": options.ib_device, "protocol": options.protocol}
     status = policy.fixes.get(FIX)
     if status is releases.FixStatus.NA or not policy.supported:
         why = f"F3 is n/a on SGLang {policy.version}: MoRI has no hybrid-state path before 0.5.12"
@@ -250,8 +280,8 @@ def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None) -> L
     rows = []
     start = time.monotonic()
     scn = hybrid_scenario()
-    stock = run(scn, "mori", timeout_s=timeout_s, real_engine=real_engine)
-    ext = run(scn, "mori-ext", timeout_s=timeout_s, real_engine=real_engine)
+    stock = run(scn, "mori", timeout_s=timeout_s, real_engine=real_engine, **transfer)
+    ext = run(scn, "mori-ext", timeout_s=timeout_s, real_engine=real_engine, **transfer)
     live = status is releases.FixStatus.LIVE
     rows.append(_row(
         scn.name,
@@ -279,7 +309,7 @@ def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None) -> L
     ):
         start = time.monotonic()
         res = run(kv_only_scenario(name), prefill, decode_backend=decode, timeout_s=timeout_s,
-                  real_engine=real_engine)
+                  real_engine=real_engine, **transfer)
         passed = refused_cleanly(res, side)
         rows.append(_row(
             # verified: decode's pools were compared byte for byte and are untouched.

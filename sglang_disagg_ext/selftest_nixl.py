@@ -3,7 +3,8 @@
 Every built-in NIXL scenario (``scenarios_nixl``) runs once with the stock
 ``nixl`` name and once with ``nixl-ext`` through the transfer harness: real
 NIXL over UCX on 127.0.0.1, CPU pools, one process per rank, decode checking
-every element of its heads and the sentinels around them.
+every element of its heads and the sentinels around them. ``options`` moves
+the pools to a GPU and picks UCX's transports (``harness.transport.ucx_tls``).
 """
 
 from __future__ import annotations
@@ -32,13 +33,21 @@ def _verdict(result, passed) -> str:
     return "pass" if passed(result) else "fail"
 
 
-def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = None) -> List[Dict]:
+def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = None, options=None) -> List[Dict]:
     """One row per built-in scenario: stock ``nixl`` vs ``nixl-ext`` on the installed SGLang.
 
     ``names`` limits the run to those scenarios. On a release where the plugin
     passes ``nixl-ext`` through to the stock classes there is nothing to
-    compare: one "n/a" row says so.
+    compare: one "n/a" row says so. ``options``: a ``TransferOptions``
+    (default TCP, CPU pools); once a run shows the engine or device cannot
+    start here, the remaining scenarios are reported as not run.
     """
+    import dataclasses
+
+    from sglang_disagg_ext.harness.transport import TransferOptions
+    from sglang_disagg_ext.selftest import engine_start_failure, observed
+
+    transfer = dataclasses.asdict((options or TransferOptions()).validated())
     policy = releases.current_policy()
     if policy.support is not releases.Support.ACTIVE:
         return [
@@ -55,24 +64,35 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
     from sglang_disagg_ext.scenarios_nixl import builtin_scenarios
 
     rows = []
+    start_failure = None
     for builtin in builtin_scenarios():
         if names is not None and builtin.name not in names:
+            continue
+        if start_failure:
+            rows.append(_row(builtin.name, "fail", "fail", False, 0.0, ext_detail=f"not run: {start_failure}"))
             continue
         start = time.monotonic()
         scenario = builtin.build()
         if builtin.decode_backend_for_ext:
             stock_verdict = "n/a"  # a mixed run; its all-stock twin is another row
         else:
-            stock = run_scenario(scenario, "nixl", timeout_s=timeout_s, extra_env=builtin.stock_env())
+            stock = run_scenario(scenario, "nixl", timeout_s=timeout_s, extra_env=builtin.stock_env(), **transfer)
             stock_verdict = _verdict(stock, builtin.passed)
+            failure = engine_start_failure(stock)
+            if failure:
+                start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
         ext = run_scenario(
             scenario,
             "nixl-ext",
             timeout_s=timeout_s,
             extra_env=builtin.ext_env(),
             decode_backend=builtin.decode_backend_for_ext,
+            **transfer,
         )
         ext_ok = builtin.passed(ext)
+        failure = engine_start_failure(ext)
+        if failure and not start_failure:
+            start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
         rows.append(
             _row(
                 builtin.name,
@@ -82,6 +102,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
                 time.monotonic() - start,
                 stock_expected="n/a" if builtin.decode_backend_for_ext else builtin.stock_expectation(policy),
                 ext_detail=None if ext_ok else ext.describe(logs=False),
+                **observed(ext),
             )
         )
     return rows

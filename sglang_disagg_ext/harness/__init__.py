@@ -5,6 +5,8 @@ process (``harness.worker``), runs the scenario's requests through the real
 bootstrap server, manager, sender and receiver of ``backend`` on CPU pools and
 a real transfer engine over loopback TCP, and returns a ``ScenarioResult``
 with each side's final KVPoll state and decode's byte-for-byte verification.
+``protocol=``, ``device=``, ``ib_device=`` move the pools to a GPU and the
+engines to RDMA (``harness.transport``).
 
 Importing this package does not import SGLang or torch.
 """

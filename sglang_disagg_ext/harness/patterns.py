@@ -75,6 +75,18 @@ def buffer_pattern(pool_id: int, buffer: int, num_pages: int, item_bytes: int) -
     return _pattern(pool_id, buffer, np.arange(num_pages), item_bytes)
 
 
+def host_bytes(actual) -> np.ndarray:
+    """A buffer as uint8 numpy, wherever it lives.
+
+    A torch tensor (CPU or GPU: anything with ``detach`` and ``cpu``) is
+    copied to host memory first; numpy input is taken as it is. Duck-typed so
+    this module needs no torch.
+    """
+    if hasattr(actual, "detach") and hasattr(actual, "cpu"):
+        actual = actual.detach().cpu().numpy()
+    return np.asarray(actual, dtype=np.uint8)
+
+
 def sentinel_buffer(num_pages: int, item_bytes: int) -> np.ndarray:
     return np.full((num_pages, item_bytes), SENTINEL, dtype=np.uint8)
 
@@ -194,8 +206,8 @@ def compare_buffer(
     label: str,
     src_num_pages: Optional[int] = None,
 ) -> List[str]:
-    """Check one decode buffer (uint8[num_pages, item_bytes]); return mismatch lines."""
-    actual = np.asarray(actual, dtype=np.uint8)
+    """Check one decode buffer (uint8[num_pages, item_bytes], numpy or a tensor on any device); return mismatch lines."""
+    actual = host_bytes(actual)
     n_src = src_num_pages if src_num_pages is not None else expectation.num_pages
     item = actual.shape[1]
     problems: List[str] = []
@@ -292,7 +304,7 @@ def compare_kv_rank_buffer(
     Every written element is compared; a wrong element is reported as
     (K/V, layer, page, token, global head, dim) with what it holds instead.
     """
-    actual = np.asarray(actual, dtype=np.uint8)
+    actual = host_bytes(actual)
     kv, layer = ("K", buffer) if buffer < num_layers else ("V", buffer - num_layers)
     problems: List[str] = []
     skipped = 0

@@ -19,6 +19,7 @@ Per-rank details are in the mismatch and error lines, ``exit_codes`` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,8 +38,10 @@ from .run import (
     child_env,
     default_timeout,
     find_free_port,
+    pool_devices,
 )
 from .scenario import Scenario
+from .transport import TransferOptions
 
 FINAL = ("Success", "Failed")
 SETUP_DEATH_GRACE_S = 3.0
@@ -65,9 +68,15 @@ def run_ranks(
     extra_env: Optional[Dict[str, str]] = None,
     workdir: Optional[str] = None,
     decode_backend: Optional[str] = None,
+    options: Optional[TransferOptions] = None,
 ) -> ScenarioResult:
-    """Like ``run_scenario``, for ``scenario.prefill_tp`` + ``scenario.decode_tp`` processes."""
+    """Like ``run_scenario``, for ``scenario.prefill_tp`` + ``scenario.decode_tp`` processes.
+
+    ``options``: protocol, device, IB device for every rank (all ranks of a
+    GPU run share the one GPU named).
+    """
     scenario.validate()
+    options = (options or TransferOptions()).validated()
     n_children = scenario.prefill_tp + scenario.decode_tp
     # Imports and gloo rendezvous of every rank share two cores.
     timeout_s = (
@@ -78,7 +87,7 @@ def run_ranks(
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     run_dir = tempfile.mkdtemp(prefix=f"ranks-{_safe(scenario.name)}-", dir=workdir)
-    result = ScenarioResult(scenario=scenario.name, backend=backend)
+    result = ScenarioResult(scenario=scenario.name, backend=backend, transfer=dataclasses.asdict(options))
     children: Dict[str, _Child] = {}
     try:
         from .sglang_setup import model_config_json
@@ -96,7 +105,7 @@ def run_ranks(
         with open(scn_path, "w") as f:
             f.write(scenario.to_json())
         port = find_free_port()
-        env = child_env(scenario, extra_env)
+        env = child_env(scenario, extra_env, options)
         exe = python or sys.executable
         done = [os.path.join(run_dir, f"decode{d}.done") for d in range(scenario.decode_tp)]
         for name in rank_names(scenario):
@@ -113,7 +122,7 @@ def run_ranks(
                 "--result", os.path.join(run_dir, f"{name}.json"),
                 "--done-file", done[rank] if role == "decode" else done[0],
                 "--load-plugin", load_plugin,
-            ]
+            ] + options.worker_args()
             if role == "prefill":
                 cmd += ["--peer-result", os.path.join(run_dir, "decode0.json"), "--done-files", os.pathsep.join(done)]
             else:
@@ -191,6 +200,8 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.decode_manager = d0.get("manager_class")
     result.classes = {name: side[name].get("classes", {}) for name in names}
     result.timings = {name: side[name].get("timings", {}) for name in names}
+    result.engines = {name: side[name].get("engine") for name in names}
+    result.pool_devices = {name: pool_devices(side[name]) for name in names}
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])

@@ -27,6 +27,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .scenario import Scenario
+from .transport import TransferOptions, engine_env
 
 LOG_TAIL_CHARS = 6000
 # Mooncake's P2P handshake and TCP transport pick ports in about 12000-17999.
@@ -88,10 +89,23 @@ class ScenarioResult:
     prefill_log_tail: str = ""
     decode_log_tail: str = ""
     run_dir: Optional[str] = None
+    # What the run was asked for (protocol, device, ib_device) and, per role
+    # (per rank in multi-rank runs), what each worker really built: its
+    # engine report and the devices its pools live on.
+    transfer: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    engines: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    pool_devices: Dict[str, Dict[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.error and bool(self.requests) and all(r.ok for r in self.requests)
+
+    @property
+    def setup_failed(self) -> bool:
+        """The run ended before any request reached either side (engine start, pools ...)."""
+        return bool(self.error) and all(
+            r.prefill_status is None and r.decode_status is None for r in self.requests
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -200,11 +214,15 @@ def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def child_env(scn: Scenario, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def child_env(
+    scn: Scenario, extra: Optional[Dict[str, str]] = None, options: Optional[TransferOptions] = None
+) -> Dict[str, str]:
     from .sglang_setup import transfer_env  # pure: no SGLang import at module level
 
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV}
-    env.update(transfer_env(scn.timeouts))
+    options = options or TransferOptions()
+    _, unset = engine_env(options)
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV and k not in unset}
+    env.update(transfer_env(scn.timeouts, options=options))
     root = _repo_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if extra:
@@ -300,6 +318,9 @@ def run_scenario(
     extra_env: Optional[Dict[str, str]] = None,
     workdir: Optional[str] = None,
     decode_backend: Optional[str] = None,
+    protocol: str = "tcp",
+    device: str = "cpu",
+    ib_device: Optional[str] = None,
 ) -> ScenarioResult:
     """Run ``scenario`` prefill -> decode through ``backend`` in two child processes.
 
@@ -312,15 +333,19 @@ def run_scenario(
     ``keep_dir``: keep the run directory (logs, results); default: only when
     ``$SGLANG_HARNESS_KEEP`` is set. ``decode_backend``: a different backend
     name for the decode child (mixed-peer runs, e.g. ``mori-ext`` prefill with
-    a stock ``mori`` decode); default ``backend``.
+    a stock ``mori`` decode); default ``backend``. ``protocol`` (tcp, rdma),
+    ``device`` (cpu, cuda, cuda:N), ``ib_device``: how the children start
+    their engines and where they build their pools (``harness.transport``);
+    an option that cannot be honoured ends the run with an error naming it.
     """
     scenario.validate()
+    options = TransferOptions(protocol, device, ib_device).validated()
     if getattr(scenario, "multi_rank", False):  # prefill_tp / decode_tp > 1: one process per rank
         from .ranks import run_ranks
 
         return run_ranks(
             scenario, backend, timeout_s, load_plugin=load_plugin, python=python, keep_dir=keep_dir,
-            extra_env=extra_env, workdir=workdir, decode_backend=decode_backend,
+            extra_env=extra_env, workdir=workdir, decode_backend=decode_backend, options=options,
         )
     timeout_s = default_timeout(scenario) if timeout_s is None else float(timeout_s)
     if keep_dir is None:
@@ -328,7 +353,7 @@ def run_scenario(
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     run_dir = tempfile.mkdtemp(prefix=f"harness-{_safe(scenario.name)}-", dir=workdir)
-    result = ScenarioResult(scenario=scenario.name, backend=backend)
+    result = ScenarioResult(scenario=scenario.name, backend=backend, transfer=dataclasses.asdict(options))
     children: Dict[str, _Child] = {}
     try:
         model_dir = os.path.join(run_dir, "model")
@@ -341,7 +366,7 @@ def run_scenario(
         with open(scn_path, "w") as f:
             f.write(scenario.to_json())
         port = find_free_port()
-        env = child_env(scenario, extra_env)
+        env = child_env(scenario, extra_env, options)
         done_file = os.path.join(run_dir, "decode.done")
         exe = python or sys.executable
         for role in ("prefill", "decode"):
@@ -357,7 +382,7 @@ def run_scenario(
                 "--done-file", done_file,
                 "--load-plugin", load_plugin,
                 "--max-seconds", str(round(timeout_s + 15.0, 1)),
-            ]
+            ] + options.worker_args()
             if role == "prefill":
                 cmd += ["--peer-result", os.path.join(run_dir, "decode.json")]
             children[role] = _Child(role, cmd, env, os.path.join(run_dir, f"{role}.log"), run_dir)
@@ -434,6 +459,8 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.decode_manager = d.get("manager_class")
     result.classes = {role: side[role].get("classes", {}) for role in side}
     result.timings = {role: side[role].get("timings", {}) for role in side}
+    result.engines = {role: side[role].get("engine") for role in side}
+    result.pool_devices = {role: pool_devices(side[role]) for role in side}
     kv_args = p.get("kv_args") or d.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])
@@ -468,6 +495,11 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
             f"decode {t}" for t in dr.get("thread_errors", [])
         ]
         result.requests.append(rr)
+
+
+def pool_devices(worker_result: Dict[str, Any]) -> Dict[str, str]:
+    """Pool name -> device, from one worker's result JSON."""
+    return {p["name"]: p.get("device") for p in worker_result.get("pools", [])}
 
 
 def _last_line(text: str) -> str:

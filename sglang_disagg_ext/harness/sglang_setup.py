@@ -37,28 +37,31 @@ EXT_BACKENDS = releases.EXT_BACKENDS
 # -- environment -----------------------------------------------------------------
 
 
-def transfer_env(timeouts, host_ip: str = "127.0.0.1") -> Dict[str, str]:
-    """Environment for a worker child: TCP engines on loopback, short timeouts.
+def transfer_env(timeouts, host_ip: str = "127.0.0.1", options=None) -> Dict[str, str]:
+    """Environment for a worker child: engines on loopback, short timeouts.
 
-    Mooncake: 0.5.12+ read ``MOONCAKE_PROTOCOL`` (default rdma); 0.5.10/0.5.11
-    hard-code rdma and only Mooncake's own ``MC_FORCE_TCP`` switches it. Both
-    are set: each release ignores the one it does not read.
+    Protocol and device variables come from ``options``
+    (``transport.engine_env``; default TCP and CPU pools). Mooncake: 0.5.13+
+    read ``MOONCAKE_PROTOCOL`` (default rdma); 0.5.10-0.5.12 hard-code rdma
+    and only Mooncake's own ``MC_FORCE_TCP`` switches it. Both are set: each
+    release ignores the one it does not read. Variables ``engine_env`` says to
+    remove are the caller's to drop (``run.child_env``).
     """
-    return {
-        "MOONCAKE_PROTOCOL": "tcp",
-        "MC_FORCE_TCP": "1",
+    from .transport import TransferOptions, engine_env
+
+    engine_vars, _ = engine_env(options or TransferOptions())
+    env = {
         "SGLANG_HOST_IP": host_ip,
-        "SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX",
-        "UCX_TLS": "tcp,self,sm",
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": _num(timeouts.sglang_waiting_s),
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": _num(timeouts.sglang_bootstrap_s),
         "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": _num(timeouts.heartbeat_interval_s),
         "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(int(timeouts.heartbeat_max_failure)),
-        "CUDA_VISIBLE_DEVICES": "",
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
     }
+    env.update(engine_vars)
+    return env
 
 
 def _num(x: float) -> str:
@@ -136,15 +139,28 @@ def load_plugin(mode: str, backend: str) -> Optional[str]:
 # -- server args, groups, engines ---------------------------------------------------------
 
 
-def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: int, page_size: int, tp_size: int = 1):
+def make_server_args(
+    model_dir: str,
+    role: str,
+    backend: str,
+    bootstrap_port: int,
+    page_size: int,
+    tp_size: int = 1,
+    device: str = "cpu",
+    ib_device: Optional[str] = None,
+):
+    """``device``: ``cpu`` or ``cuda[:N]`` (ServerArgs takes the device type; the
+    index is SGLang's ``gpu_id``). ``ib_device``: ``--disaggregation-ib-device``."""
     from sglang.srt.server_args import ServerArgs
 
     extra = {"tp_size": tp_size} if tp_size != 1 else {}  # multi-rank scenarios (harness.ranks)
+    if ib_device:
+        extra["disaggregation_ib_device"] = ib_device
     return ServerArgs(
         **extra,
         model_path=model_dir,
         skip_tokenizer_init=True,
-        device="cpu",
+        device=device.split(":")[0],
         disaggregation_mode=role,
         disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=bootstrap_port,
@@ -153,20 +169,35 @@ def make_server_args(model_dir: str, role: str, backend: str, bootstrap_port: in
     )
 
 
-def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype, rank: int = 0, world_size: int = 1) -> None:
+def init_runtime(
+    server_args,
+    dist_init_method: str,
+    hidden_size: int,
+    dtype,
+    rank: int = 0,
+    world_size: int = 1,
+    gpu_id: Optional[int] = None,
+) -> None:
     """One-rank process groups, as a TP=1 scheduler has them.
 
     Every release's ``CommonKVManager`` reads the attention TP/CP/DP getters and
     (prefill) ``get_pp_group()``, which assert unless real groups exist.
     With ``world_size`` > 1 (multi-rank scenarios): this process is TP rank
     ``rank`` of a real gloo group of that size, one process per rank.
+    ``gpu_id`` (GPU pools): the CUDA device this process uses. SGLang's group
+    coordinator puts its tensors on ``cuda:<local_rank>``, so ``local_rank`` is
+    that index: every rank of a harness run shares the one GPU asked for.
     """
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
+    if gpu_id is not None:
+        import torch
+
+        torch.cuda.set_device(gpu_id)
     if _has_runtime_context():
         if world_size != 1:
             raise NotImplementedError("multi-rank harness runs need a release without runtime_context (<= 0.5.12)")
-        _init_runtime_context(server_args, dist_init_method)
+        _init_runtime_context(server_args, dist_init_method, gpu_id=gpu_id or 0)
         return
     set_global_server_args_for_scheduler(server_args)
     from sglang.srt.distributed import parallel_state as ps
@@ -176,7 +207,7 @@ def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype, ra
     ps.init_distributed_environment(
         world_size=world_size,
         rank=rank,
-        local_rank=rank,
+        local_rank=rank if gpu_id is None else gpu_id,
         backend="gloo",
         distributed_init_method=dist_init_method,
     )
@@ -185,7 +216,7 @@ def init_runtime(server_args, dist_init_method: str, hidden_size: int, dtype, ra
     initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
 
 
-def _init_runtime_context(server_args, dist_init_method: str) -> None:
+def _init_runtime_context(server_args, dist_init_method: str, gpu_id: int = 0) -> None:
     """0.5.2x: publish the config with a rank placement, then real one-rank groups.
 
     Mirrors ``managers/scheduler.py::run_scheduler_process`` (publish with
@@ -196,24 +227,56 @@ def _init_runtime_context(server_args, dist_init_method: str) -> None:
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
-    rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=gpu_id))
     ps.init_distributed_environment(
         backend="gloo",
         world_size=1,
         rank=0,
-        local_rank=0,
+        local_rank=gpu_id,
         distributed_init_method=dist_init_method,
     )
     ps.initialize_model_parallel()
     initialize_dp_attention(server_args=server_args)
 
 
-def init_shared_engines(server_args) -> List[str]:
+# Arguments each ``mooncake.engine.TransferEngine.initialize`` call got in this
+# process, in order (see ``_record_mooncake_initialize``).
+_MOONCAKE_INITIALIZE_CALLS: List[tuple] = []
+
+
+def _record_mooncake_initialize() -> None:
+    """Note what SGLang's engine wrapper passes to Mooncake's ``initialize``.
+
+    A pass-through observer: the real method runs with the same arguments and
+    its return value is returned unchanged. It exists because the protocol is
+    decided inside the release's wrapper (hard-coded "rdma" up to 0.5.12,
+    ``MOONCAKE_PROTOCOL`` later), and the harness reports what the engine was
+    really started with, not what it asked for.
+    """
+    from mooncake.engine import TransferEngine
+
+    if getattr(TransferEngine, "_harness_recorded", False):
+        return
+    original = TransferEngine.initialize
+
+    def initialize(self, *args, **kwargs):
+        _MOONCAKE_INITIALIZE_CALLS.append(tuple(args) + tuple(kwargs.values()))
+        return original(self, *args, **kwargs)
+
+    TransferEngine.initialize = initialize
+    TransferEngine._harness_recorded = True
+
+
+def init_shared_engines(server_args, gpu_id: int = 0, protocol: str = "tcp") -> List[str]:
     """Start what ``ModelRunner`` starts for PD transfer (the shared Mooncake engine).
 
     Same condition as the release's model runner: the backend string equals
-    ``"mooncake"`` after ``ServerArgs.__post_init__``.
+    ``"mooncake"`` after ``ServerArgs.__post_init__``. ``protocol`` is what
+    the operator asked for; with ``rdma`` a failing engine start is reported
+    as an RDMA start failure naming the IB device tried.
     """
+    from .transport import rdma_init_failure
+
     started = []
     if server_args.disaggregation_mode != "null" and server_args.disaggregation_transfer_backend == "mooncake":
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
@@ -221,14 +284,62 @@ def init_shared_engines(server_args) -> List[str]:
         )
         from sglang.srt.utils.network import get_local_ip_auto
 
-        init_mooncake_transfer_engine(
-            hostname=get_local_ip_auto(),
-            gpu_id=0,
-            ib_device=server_args.disaggregation_ib_device
-            or getattr(server_args, "mooncake_ib_device", None),
-        )
+        _record_mooncake_initialize()
+        ib_device = server_args.disaggregation_ib_device or getattr(server_args, "mooncake_ib_device", None)
+        try:
+            init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id, ib_device=ib_device)
+        except Exception as exc:
+            if protocol != "rdma":
+                raise
+            raise RuntimeError(
+                rdma_init_failure("Mooncake TransferEngine", ib_device, f"{type(exc).__name__}: {exc}")
+            ) from exc
         started.append("mooncake-transfer-engine")
     return started
+
+
+def mooncake_engine_report(server_args, protocol: str) -> Optional[Dict[str, Any]]:
+    """What the shared Mooncake engine was started with and the transport it installed.
+
+    ``None`` when this process has no shared engine. With ``protocol`` "rdma"
+    and no RDMA device, Mooncake falls back to TCP and reports success; this
+    raises "RDMA init failed" instead, so a TCP run is never reported as RDMA.
+    """
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        get_mooncake_transfer_engine,
+    )
+
+    from .transport import mooncake_hcas, mooncake_transport, rdma_init_failure
+
+    wrapper = get_mooncake_transfer_engine()
+    if wrapper is None:
+        return None
+    call = _MOONCAKE_INITIALIZE_CALLS[-1] if _MOONCAKE_INITIALIZE_CALLS else ()
+    protocol_arg = call[2] if len(call) > 2 else None
+    device_arg = call[3] if len(call) > 3 else None
+    force_tcp = os.environ.get("MC_FORCE_TCP") == "1"
+    topology, hcas = "", None
+    if protocol_arg == "rdma" and not force_tcp:  # only then do HCAs decide the transport
+        topology = wrapper.engine.get_local_topology(device_arg or "")
+        hcas = mooncake_hcas(topology)
+    report = {
+        "engine": "mooncake",
+        "initialize_protocol": protocol_arg,
+        "initialize_device_name": device_arg,
+        "mc_force_tcp": force_tcp,
+        "hcas": hcas,
+        "transport": mooncake_transport(protocol_arg, force_tcp, hcas),
+    }
+    if protocol == "rdma" and report["transport"] != "rdma":
+        why = (
+            "MC_FORCE_TCP=1 is set" if force_tcp
+            else f"initialize() got protocol {protocol_arg!r}" if protocol_arg != "rdma"
+            else "no RDMA device found (local topology "
+            + " ".join(topology.split())
+            + "); Mooncake installed its TCP transport instead and this run stops rather than report TCP as RDMA"
+        )
+        raise RuntimeError(rdma_init_failure("Mooncake TransferEngine", server_args.disaggregation_ib_device, why))
+    return report
 
 
 def torch_dtype(name: str):
@@ -240,8 +351,10 @@ def torch_dtype(name: str):
 # -- pools --------------------------------------------------------------------------
 
 
-def make_mha_pool(num_pages: int, page_size: int, dtype, head_num: int, head_dim: int, layer_num: int):
-    """A real ``MHATokenToKVPool`` on CPU with pages ``0 .. num_pages-1``.
+def make_mha_pool(
+    num_pages: int, page_size: int, dtype, head_num: int, head_dim: int, layer_num: int, device: str = "cpu"
+):
+    """A real ``MHATokenToKVPool`` on ``device`` with pages ``0 .. num_pages-1``.
 
     The pool allocates ``size + page_size`` token slots; ``size`` is chosen so
     the buffers hold exactly ``num_pages`` pages.
@@ -257,7 +370,7 @@ def make_mha_pool(num_pages: int, page_size: int, dtype, head_num: int, head_dim
         head_num=head_num,
         head_dim=head_dim,
         layer_num=layer_num,
-        device="cpu",
+        device=device,
         enable_memory_saver=False,
         start_layer=0,
     )
@@ -350,6 +463,7 @@ def fill_kv_args(
     num_layers: int,
     total_kv_heads: int,
     engine_rank: int = 0,
+    gpu_id: int = 0,
 ) -> Dict[str, Any]:
     """Fill ``kv_args`` the way the release's prefill/decode ``_init_kv_manager`` does.
 
@@ -392,7 +506,7 @@ def fill_kv_args(
     kv_args.page_size = kv_pool.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = server_args.disaggregation_ib_device
-    kv_args.gpu_id = 0
+    kv_args.gpu_id = gpu_id
 
     if is_flat():
         if len(components) > 1:

@@ -16,6 +16,7 @@ that engine threads cannot hold it open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -115,31 +116,64 @@ class Worker:
         self.scn.validate()
         deadline = T_START + self.scn.timeouts.startup_s
 
-        import torch  # noqa: F401
+        import torch
 
         from sglang_disagg_ext.harness import sglang_setup as ss
+        from sglang_disagg_ext.harness.transport import TransferOptions
 
         self.ss = ss
         self.mark("imported_torch")
+        self.opts = TransferOptions(self.args.protocol, self.args.device, self.args.ib_device).validated()
+        self.result["transfer_options"] = dataclasses.asdict(self.opts)
+        if self.opts.device_type == "cuda":
+            _check_cuda(torch, self.opts.device)
         self.result["plugin_loader"] = ss.load_plugin(self.args.load_plugin, self.args.backend)
         self.result["sglang_version"] = ss.sglang_version()
         from sglang_disagg_ext.harness import nixl_shim
 
         if nixl_shim.wanted():
-            self.result["shim"] = nixl_shim.install()
+            if self.opts.device_type == "cpu":
+                self.result["shim"] = nixl_shim.install()
+            else:  # device pools are the VRAM stock NIXL registers them as
+                self.result["shim"] = f"nixl host-memory shim not installed: pools are on {self.opts.device}"
         self.tp_rank = self.args.tp_rank
         self.tp_size = self.scn.prefill_tp if self.role == "prefill" else self.scn.decode_tp
         self.result["tp"] = [self.tp_rank, self.tp_size]
-        sa = ss.make_server_args(
-            self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size,
-            tp_size=self.tp_size,
-        )
+        try:
+            sa = ss.make_server_args(
+                self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size,
+                tp_size=self.tp_size, device=self.opts.device, ib_device=self.opts.ib_device,
+            )
+        except Exception as exc:
+            if not self.opts.ib_device:
+                raise
+            # SGLang checks --disaggregation-ib-device against sysfs in ServerArgs.
+            from sglang_disagg_ext.harness.transport import rdma_init_failure
+
+            why = f"SGLang's ServerArgs refused the IB device: {type(exc).__name__}: {exc}"
+            raise RuntimeError(rdma_init_failure("ServerArgs", self.opts.ib_device, why)) from exc
         self.server_args = sa
         self.result["backend_effective"] = sa.disaggregation_transfer_backend
         self.mark("server_args")
         dtype = ss.torch_dtype(self.scn.kv.dtype)
-        ss.init_runtime(sa, self.args.dist_init, self.scn.hidden_size, dtype, rank=self.tp_rank, world_size=self.tp_size)
-        self.result["shared_engines"] = ss.init_shared_engines(sa)
+        gpu_id = self.opts.gpu_index if self.opts.device_type == "cuda" else None
+        ss.init_runtime(
+            sa, self.args.dist_init, self.scn.hidden_size, dtype, rank=self.tp_rank, world_size=self.tp_size,
+            gpu_id=gpu_id,
+        )
+        self.result["shared_engines"] = ss.init_shared_engines(sa, gpu_id=self.opts.gpu_index, protocol=self.opts.protocol)
+        if "mooncake-transfer-engine" in self.result["shared_engines"]:
+            self.result["engine"] = ss.mooncake_engine_report(sa, self.opts.protocol)
+        elif sa.disaggregation_transfer_backend == "nixl":
+            # UCX picks its transport from UCX_TLS (transport.ucx_tls); this is
+            # the configuration the agent is created under.
+            self.result["engine"] = {
+                "engine": "nixl",
+                "ucx_tls": os.environ.get("UCX_TLS"),
+                "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+            }
+        else:
+            self.result["engine"] = {"engine": sa.disaggregation_transfer_backend}
         self.mark("runtime")
 
         self.classes = ss.kv_classes(sa)
@@ -163,9 +197,17 @@ class Worker:
         kv_args = self.classes["kvargs"]()
         self.result["kv_args"] = ss.fill_kv_args(
             kv_args, self.role, sa, self.kv_pool, self.meta, self.state_components, self.scn.num_layers,
-            self.scn.kv.head_num, engine_rank=self.tp_rank,
+            self.scn.kv.head_num, engine_rank=self.tp_rank, gpu_id=self.opts.gpu_index,
         )
-        self.mgr = ss.make_manager(self.classes["manager"], kv_args, self.role, sa)
+        try:
+            self.mgr = ss.make_manager(self.classes["manager"], kv_args, self.role, sa)
+        except Exception as exc:
+            if self.opts.protocol != "rdma" or sa.disaggregation_transfer_backend != "nixl":
+                raise
+            from sglang_disagg_ext.harness.transport import rdma_init_failure
+
+            why = f"UCX_TLS={os.environ.get('UCX_TLS')}: {type(exc).__name__}: {exc}"
+            raise RuntimeError(rdma_init_failure("NIXL UCX backend", self.opts.ib_device, why)) from exc
         self.result["manager_class"] = ss.class_name(self.mgr)
         self.KVPoll = ss.kvpoll()
         self.mark("manager")
@@ -195,6 +237,7 @@ class Worker:
         from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
 
         ss, scn = self.ss, self.scn
+        device = self.opts.device
         self.kv_heads = None  # multi-rank: the global KV heads this rank holds
         pool_heads = scn.kv.head_num
         if scn.multi_rank:
@@ -204,7 +247,7 @@ class Worker:
             except ValueError:
                 self.kv_heads = None  # a layout SGLang cannot shard: bytes are not checked
         self.kv_pool = ss.make_mha_pool(
-            scn.kv.num_pages, scn.page_size, dtype, pool_heads, scn.kv.head_dim, scn.num_layers
+            scn.kv.num_pages, scn.page_size, dtype, pool_heads, scn.kv.head_dim, scn.num_layers, device=device
         )
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
@@ -219,14 +262,14 @@ class Worker:
             if spec.paged:
                 pool = ss.make_mha_pool(
                     spec.num_pages, scn.page_size, ss.torch_dtype(spec.dtype), spec.head_num, spec.head_dim,
-                    spec.num_layers,
+                    spec.num_layers, device=device,
                 )
                 self._state_keepalive.append(pool)
                 tensors = ss.mha_pool_tensors(pool)
                 ptrs, lens, items = pool.get_contiguous_buf_infos()
             else:  # mamba: per state tensor, per layer, num_pages slots
                 tensors = [
-                    torch.zeros((spec.num_pages, nbytes), dtype=torch.uint8)
+                    torch.zeros((spec.num_pages, nbytes), dtype=torch.uint8, device=device)
                     for nbytes in spec.mamba_item_bytes
                     for _ in range(spec.num_layers)
                 ]
@@ -257,8 +300,18 @@ class Worker:
                     view.copy_(torch.from_numpy(src))
                 else:
                     view.fill_(patterns.SENTINEL)
+        if self.opts.device_type == "cuda":
+            # Copies from pageable host memory may still be in flight when
+            # copy_ returns; the engine reads these pages right after.
+            torch.cuda.synchronize(device)
         self.result["pools"] = [
-            {"name": p.name, "buffers": len(p.views), "pages": p.num_pages, "item_bytes": sorted(set(p.item_bytes))}
+            {
+                "name": p.name,
+                "buffers": len(p.views),
+                "pages": p.num_pages,
+                "item_bytes": sorted(set(p.item_bytes)),
+                "device": p.device,
+            }
             for p in self.pools
         ]
 
@@ -414,7 +467,7 @@ class Worker:
         for pool in self.pools:
             exp = expected[pool.pool_id]
             for b, view in enumerate(pool.views):
-                actual = view.numpy()
+                actual = view  # patterns copies device tensors to host before comparing
                 if pool.pool_id == 0 and getattr(self, "kv_heads", None) is not None:  # KV, multi-rank
                     mismatches += patterns.compare_kv_rank_buffer(
                         actual, b, exp, num_layers=self.scn.num_layers, page_size=self.scn.page_size,
@@ -509,6 +562,10 @@ class _Pool:
         if len(pages) != 1:
             raise RuntimeError(f"{name}: buffers disagree on page count: {sorted(pages)}")
         self.num_pages = pages.pop()
+        devices = sorted({str(t.device) for t in tensors})
+        if len(devices) > 1:
+            raise RuntimeError(f"{name}: buffers on several devices: {devices}")
+        self.device = devices[0] if devices else None
 
 
 def _split(pages: list, n: int) -> List[list]:
@@ -551,6 +608,20 @@ def _wait_ready(paths: List[str], deadline: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"peers not ready before the startup bound: {pending}")
             time.sleep(0.05)
+
+
+def _check_cuda(torch, device: str) -> None:
+    """GPU pools need a GPU this process can see; say which and why not."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"--device {device}: CUDA is not available in this process (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    index = int(device.split(":")[1]) if ":" in device else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RuntimeError(f"--device {device}: this process sees {count} GPU(s) (indices 0..{count - 1})")
 
 
 def _touch(path: Optional[str]) -> None:
@@ -597,6 +668,9 @@ def parse_args(argv=None):
     p.add_argument("--tp-rank", type=int, default=0, help="multi-rank scenarios: this process's TP rank")
     p.add_argument("--ready-files", default=None, help="decode: prefill result files to wait for (os.pathsep)")
     p.add_argument("--done-files", default=None, help="prefill, multi-rank: every decode rank's done file (os.pathsep)")
+    p.add_argument("--protocol", default="tcp", help="engine protocol: tcp or rdma (harness.transport)")
+    p.add_argument("--device", default="cpu", help="pool device: cpu, cuda or cuda:N")
+    p.add_argument("--ib-device", default=None, help="RDMA device(s) for --protocol rdma")
     return p.parse_args(argv)
 
 

@@ -7,11 +7,15 @@ import sys
 
 import pytest
 
-# Per release, by hand from shared/notes/sglang-releases.md: (supported, live fixes, entry point discovered).
+# Per release, by hand from shared/notes/sglang-releases.md and the 0.5.12.post1 wheel:
+# (supported, live fixes, entry point discovered). 0.5.12.post1 has F4 and F5 live: its NIXL
+# slice maps decode-side head replicas by modulo (nixl/conn.py:1002-1004) and its NSA offload
+# get_cpu_copy(self, indices) (memory_pool.py:2145) rejects the allocator's mamba_indices=
+# (allocator.py:524).
 TRUTH = {
     "0.5.10.post1": (True, {"F1", "F2", "F4", "F5"}, False),
     "0.5.11": (True, {"F2", "F4", "F5"}, True),
-    "0.5.12.post1": (True, {"F3"}, True),
+    "0.5.12.post1": (True, {"F3", "F4", "F5"}, True),
     "0.5.23": (True, set(), True),
 }
 

@@ -1,9 +1,14 @@
 """F5 retract/resume aliasing: stock vs ext on real SGLang classes, CPU tensors.
 
-Differential: where F5 is live (0.5.10.post1, 0.5.11) stock must FAIL each
-scenario and ext must pass; where the release carries the upstream fix, the
-release's own code must pass (checked for each scenario below, with one known
-upstream defect on 0.5.12/0.5.12.post1, see ``UPSTREAM_CALL_CONVENTION_BUG``).
+Differential: where F5 is live (0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1)
+ext must pass every scenario and stock must do what the shape of its code
+says (``selftest_f5.stock_f5_shape``, checked against hand-read facts in
+``STOCK_SHAPE_FACTS``): on 0.5.10.post1 / 0.5.11 stock fails all of them; on
+0.5.12.x the release's own retract path raises TypeError (its NSA
+``get_cpu_copy(self, indices)``, memory_pool.py:2145, is called with
+``mamba_indices=`` by allocator.py:524) while ``get_buf`` and
+``_clear_buffers`` already pass. Where the plugin passes through (0.5.13+),
+the release's own code must pass.
 
 Stock ``get_cpu_copy``/``load_cpu_copy`` call ``torch.cuda.synchronize()``
 unconditionally; on this CPU-only torch that raises. For *stock* runs on a CPU
@@ -42,14 +47,27 @@ def _memory_pool_importable():
     if NSA_IMPORT_ERROR is not None:
         pytest.fail(f"sglang.srt.mem_cache.memory_pool does not import here: {NSA_IMPORT_ERROR}")
 
-# SGLang 0.5.12 / 0.5.12.post1 ship the upstream NSA offload with signature
-# get_cpu_copy(self, indices) (memory_pool.py:2145 in 0.5.12.post1), while the
-# allocator that the scheduler goes through calls
-# get_cpu_copy(indices, mamba_indices=...) (allocator.py:524): the release's own
-# retract path raises TypeError for an NSA pool.
-UPSTREAM_CALL_CONVENTION_BUG = {"0.5.12", "0.5.12.post1"}
-
 CYCLES = 1000
+
+# By hand from each wheel: (NSA pool defines its own get_cpu_copy, which accepts mamba_indices,
+# allocator passes mamba_indices, NSA pool's own _clear_buffers frees index_k, get_buf clones).
+STOCK_SHAPE_FACTS = {
+    # memory_pool.py:1804 NSA inherits MLA's offload and _clear_buffers; allocator.py:515
+    # get_cpu_copy(self, indices); disaggregation/utils.py:236 get_buf returns views.
+    "0.5.10.post1": (False, False, False, False, False),
+    # memory_pool.py:1862 inherits MLA's get_cpu_copy(self, indices, mamba_indices=None) (:975);
+    # allocator.py:517 passes mamba_indices=; utils.py:244 views.
+    "0.5.11": (False, True, True, False, False),
+    # memory_pool.py:2145 get_cpu_copy(self, indices), :2067 _clear_buffers deletes
+    # index_k_with_scale_buffer; allocator.py:524 passes mamba_indices=; utils.py:244 clones.
+    "0.5.12": (True, False, True, True, True),
+    "0.5.12.post1": (True, False, True, True, True),
+}
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return f5.stock_f5_shape()
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +86,27 @@ def _assert_live_stock_failure(report):
         assert report.kv_mismatch_cycles == 0
 
 
+@needs_nsa
+@pytest.mark.timeout(30)
+def test_stock_shape_probe_matches_the_wheels(shape):
+    if "F5" in POLICY.patched:
+        pytest.skip("the F5 facts are of the unpatched wheel; these sources carry patches/ (test-patched run)")
+    facts = STOCK_SHAPE_FACTS.get(POLICY.version)
+    if facts is None:
+        pytest.skip(f"no hand-read F5 facts for SGLang {POLICY.version} (only for releases where F5 is live)")
+    got = (
+        shape.nsa_offloads_index_k,
+        shape.nsa_offload_takes_mamba_indices,
+        shape.allocator_passes_mamba_indices,
+        shape.nsa_clear_releases_index_k,
+        shape.get_buf_copies,
+    )
+    assert got == facts, shape
+    # Read the same with the hooks installed: the probe looks at SGLang's own methods.
+    with retract.retract_fixes(True):
+        assert f5.stock_f5_shape() == shape
+
+
 # --------------------------------------------------------------------------
 # Retract -> reuse -> resume, 1,000 random cycles
 # --------------------------------------------------------------------------
@@ -75,28 +114,30 @@ def _assert_live_stock_failure(report):
 
 @needs_nsa
 @pytest.mark.timeout(120)
-def test_retract_resume_scheduler_path_1000_cycles():
+def test_retract_resume_scheduler_path_1000_cycles(shape):
     """Through SGLang's Req.offload_kv_cache / load_kv_cache and the paged allocator."""
     ext = f5.retract_scenario(True, cycles=CYCLES, seed=1)
     assert ext.passed, ext
     assert ext.cycles == CYCLES
 
     stock = f5.retract_scenario(False, cycles=CYCLES, seed=1)
-    if LIVE:
+    if not LIVE:
+        assert stock.passed, stock
+    elif shape.nsa_offloads_index_k:
+        # 0.5.12.x: upstream's offload exists but its own allocator cannot call it;
+        # the first retract ends in TypeError, which is what a user's server hits.
+        assert shape.retract_stock("scheduler") == "fail"
+        assert stock.cycles == 0 and not stock.passed, stock
+        assert stock.error.startswith("TypeError") and "mamba_indices" in stock.error, stock
+    else:
         _assert_live_stock_failure(stock)
         assert stock.index_k_mismatch_cycles > CYCLES // 2, stock
-    elif POLICY.version in UPSTREAM_CALL_CONVENTION_BUG:
-        # Documented upstream defect: the release's fix cannot be reached by its
-        # own scheduler. Fails loudly if a release fixes it (update the set).
-        assert stock.error is not None and "mamba_indices" in stock.error, stock
-    else:
-        assert stock.passed, stock
 
 
 @needs_nsa
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("chunk_tokens", [None, 64, 100, 150])
-def test_retract_resume_pool_path_chunk_sizes(chunk_tokens):
+def test_retract_resume_pool_path_chunk_sizes(chunk_tokens, shape):
     """Calling the pool directly, with several chunk sizes (None: the pool's default 8192).
 
     64 -> 1 page per chunk, 100 -> 100-token KV chunks vs 1-page index chunks,
@@ -105,10 +146,11 @@ def test_retract_resume_pool_path_chunk_sizes(chunk_tokens):
     ext = f5.retract_scenario(True, cycles=200, seed=2, chunk_tokens=chunk_tokens, path="pool")
     assert ext.passed, ext
     stock = f5.retract_scenario(False, cycles=200, seed=2, chunk_tokens=chunk_tokens, path="pool")
-    if LIVE:
+    if LIVE and shape.retract_stock("pool") == "fail":
         _assert_live_stock_failure(stock)
     else:
-        assert stock.passed, stock  # upstream's own offload, called the way upstream calls it
+        # Upstream's own offload (0.5.12+), called positionally as upstream's pools call it.
+        assert stock.passed, stock
 
 
 @needs_nsa
@@ -216,15 +258,15 @@ def test_restore_rejects_copy_of_other_length():
 
 
 @pytest.mark.timeout(30)
-def test_metadata_get_buf_isolated_from_slot_reuse():
+def test_metadata_get_buf_isolated_from_slot_reuse(shape):
     ext = f5.metadata_scenario(True)
     assert ext.passed, ext
     stock = f5.metadata_scenario(False)
     assert stock.own_data_read and stock.error is None
-    if LIVE:
+    if LIVE and shape.metadata_stock() == "fail":
         assert not stock.passed  # views: B's set_buf changed what A holds
     else:
-        assert stock.passed
+        assert stock.passed  # get_buf clones (0.5.12+); the ext copy changes nothing
 
 
 # --------------------------------------------------------------------------
@@ -234,12 +276,12 @@ def test_metadata_get_buf_isolated_from_slot_reuse():
 
 @needs_nsa
 @pytest.mark.timeout(30)
-def test_clear_buffers_releases_index_k():
+def test_clear_buffers_releases_index_k(shape):
     ext = f5.clear_buffers_scenario(True)
     assert ext.passed, ext
     assert ext.index_k_alive == 0
     stock = f5.clear_buffers_scenario(False)
-    if LIVE:
+    if LIVE and shape.clear_stock() == "fail":
         assert stock.index_k_alive > 0 and not stock.passed
     else:
         assert stock.passed, stock
@@ -295,7 +337,22 @@ def test_selftest_rows():
         assert r["backend"] == "all"
         assert r["stock"] in ("pass", "fail", "n/a") and r["ext"] in ("pass", "fail", "n/a")
     if LIVE:
-        assert all(r["stock"] == "fail" and r["ext"] == "pass" and r["verified"] for r in rows), rows
+        assert all(r["ext"] == "pass" and r["stock"] == r["stock_expected"] and r["verified"] for r in rows), rows
+        # Every release where F5 is live fails the retract row on stock (mismatch or TypeError).
+        assert rows[0]["stock"] == "fail", rows[0]
     else:
         assert all(r["stock"] == "n/a" for r in rows)
     gc.collect()
+
+
+@pytest.mark.timeout(60)
+def test_selecting_an_ext_backend_installs_the_hooks_where_f5_is_live():
+    """registration.activate (what an -ext name does in each SGLang process) installs F5 exactly where live."""
+    from sglang_disagg_ext import registration
+
+    try:
+        registration.activate("mooncake-ext")
+        assert retract.retract_fixes_installed() is (LIVE and POLICY.support is releases.Support.ACTIVE)
+    finally:
+        registration.deactivate()
+    assert not retract.retract_fixes_installed()

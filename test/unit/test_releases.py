@@ -6,12 +6,15 @@ from sglang_disagg_ext.releases import FixStatus, StateLayout, Support, Unsuppor
 
 L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
-# (release, support, layout, F1..F5) — from shared/notes/sglang-releases.md.
+# (release, support, layout, F1..F5) — from shared/notes/sglang-releases.md, except F4/F5 on
+# 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
+# modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
+# mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524).
 EXPECTED = [
     ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L)),
     ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, U, U)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, U, U)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L)),
     ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
     ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
     ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),

@@ -1,0 +1,461 @@
+"""Child process of the transfer benchmark: one prefill or one decode side.
+
+    python -m bench.transfer_worker --role prefill|decode --scenario S.json \
+        --ports STOCK_PORT,EXT_PORT --model-dir D --dist-init file:///... \
+        --control HOST:PORT [--max-seconds N]       (authkey in $BENCH_AUTHKEY)
+
+Unlike the harness worker (one backend, a fixed request list, then exit), this
+process stays up and serves many timed batches, so that process start-up
+(about 10-20 s of imports) is paid once. It builds everything the way the
+harness does, through ``harness.sglang_setup``, but twice: one **stock**
+``MooncakeKVManager`` and one **ext** manager (the class ``mooncake-ext``
+routes to on this release, from ``backends.mooncake.ext_classes``), each with
+its own pools, ``KVArgs``, bootstrap server and port, sharing the process's
+one Mooncake engine as SGLang's managers do. The parent sends commands over a
+``multiprocessing.connection`` and gets a dict back for each:
+
+* decode ``recv``: make receivers for the batch's rooms and send their metadata;
+* prefill ``send``: make senders, wait until every one is WaitingForInput, then
+  time from the first ``send()`` to the last sender's final state;
+* decode ``finish``: wait for the receivers' final states, optionally check
+  every transferred byte, clear;
+* prefill ``goodput``: item 2 (see :meth:`Worker.goodput`).
+
+Every wait has a deadline; the process ends with ``os._exit`` (engine threads
+would keep it open) and watches its parent (``harness.worker._start_watchdog``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+VARIANTS = ("stock", "ext")
+POLL_SLEEP_S = 0.0001
+FINAL = ("Success", "Failed")
+FILL_CHUNK_PAGES = 128  # pattern generation works on uint64: bound its scratch memory
+
+
+class Side:
+    """One variant's pools, manager and classes inside this process."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pools: Dict[int, List[Any]] = {}  # pool id -> uint8 views (pages, item_bytes)
+        self.mgr = None
+        self.port = None
+        self.addr = None
+        self.keep: List[Any] = []
+        self.open: Dict[int, Any] = {}  # room -> receiver (decode)
+
+
+class Worker:
+    def __init__(self, args):
+        self.args = args
+        self.role = args.role
+        self.sides = {v: Side(v) for v in VARIANTS}
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(self) -> Dict[str, Any]:
+        import torch  # noqa: F401
+
+        from bench.shapes import state_components
+        from sglang_disagg_ext import releases
+        from sglang_disagg_ext.backends.mooncake import ext_classes
+        from sglang_disagg_ext.harness import sglang_setup as ss
+        from sglang_disagg_ext.harness.scenario import Scenario
+
+        self.ss = ss
+        with open(self.args.scenario) as f:
+            self.scn = Scenario.from_json(f.read())
+        deadline = time.monotonic() + self.scn.timeouts.startup_s
+        ports = [int(p) for p in self.args.ports.split(",")]
+        policy = releases.current_policy()
+        dtype = ss.torch_dtype(self.scn.kv.dtype)
+        for side, port in zip(self.sides.values(), ports):
+            side.port = port
+            side.addr = f"127.0.0.1:{port}"
+            side.server_args = ss.make_server_args(
+                self.args.model_dir, self.role, "mooncake", port, self.scn.page_size
+            )
+        first = self.sides["stock"].server_args
+        ss.init_runtime(first, self.args.dist_init, self.scn.hidden_size, dtype)
+        engines = ss.init_shared_engines(first)
+        classes = ss.kv_classes(first)
+        ext_manager = ext_classes(policy)["MooncakeKVManager"]
+        if issubclass(classes["manager"], ext_manager) or classes["manager"] is ext_manager:
+            raise RuntimeError("the stock manager class is the plugin's: was the plugin loaded in this process?")
+        self.classes = classes
+        manager_class = {"stock": classes["manager"], "ext": ext_manager}
+        self.KVPoll = ss.kvpoll()
+        self.per_component = not ss.is_flat()
+        kinds = [c.kind for c in state_components(self.per_component)]
+        if [p.kind for p in self.scn.state_pools] != kinds:
+            raise RuntimeError(f"scenario state pools {[p.kind for p in self.scn.state_pools]} != {kinds}")
+
+        for side in self.sides.values():
+            components = self._build_pools(side, dtype)
+            if self.role == "prefill":
+                side.bootstrap = classes["bootstrap_server"](host="127.0.0.1", port=side.port)
+                _wait_port(side.port, deadline)
+            kv_args = classes["kvargs"]()
+            ss.fill_kv_args(kv_args, self.role, side.server_args, side.kv_pool, side.meta, components,
+                            self.scn.num_layers, self.scn.kv.head_num)
+            side.mgr = ss.make_manager(manager_class[side.name], kv_args, self.role, side.server_args)
+        if self.role == "decode":
+            for side in self.sides.values():
+                while not ss.try_ensure_prefill_info(side.mgr, side.addr):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"prefill never registered at {side.addr}")
+                    time.sleep(0.1)
+        return {
+            "sglang": ss.sglang_version(),
+            "layout": ss.state_layout().value,
+            "engines": engines,
+            "managers": {v: ss.class_name(s.mgr) for v, s in self.sides.items()},
+            "pid": os.getpid(),
+        }
+
+    def _build_pools(self, side: Side, dtype):
+        import torch
+
+        from sglang_disagg_ext.harness import patterns
+        from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
+
+        ss, scn = self.ss, self.scn
+        side.kv_pool = ss.make_mha_pool(scn.kv.num_pages, scn.page_size, dtype, scn.kv.head_num,
+                                        scn.kv.head_dim, scn.num_layers)
+        side.pools[KV_POOL_ID] = ss.mha_pool_tensors(side.kv_pool)
+        side.meta = ss.make_metadata_buffers(scn.aux_rows, scn.hidden_size, dtype)
+        ptrs, _, _ = side.meta.get_buf_infos()
+        side.pools[AUX_POOL_ID] = ss.metadata_tensors(side.meta, ptrs)
+        components = []
+        for c, spec in enumerate(scn.state_pools):
+            pool = ss.make_mha_pool(spec.num_pages, scn.page_size, ss.torch_dtype(spec.dtype), spec.head_num,
+                                    spec.head_dim, spec.num_layers)
+            side.keep.append(pool)
+            side.pools[STATE_POOL_BASE + c] = ss.mha_pool_tensors(pool)
+            ptrs, lens, items = pool.get_contiguous_buf_infos()
+            components.append(ss.StateComponent(spec.kind, ptrs, lens, items))
+        # uint8 page views; prefill holds the harness's byte patterns, decode a sentinel.
+        pages = {KV_POOL_ID: scn.kv.num_pages, AUX_POOL_ID: scn.aux_rows}
+        pages.update({STATE_POOL_BASE + c: spec.num_pages for c, spec in enumerate(scn.state_pools)})
+        for pid, tensors in side.pools.items():
+            views = []
+            for b, t in enumerate(tensors):
+                v = t.view(torch.uint8).reshape(pages[pid], -1)  # SGLang's page items (tokens x row)
+                if self.role == "prefill":
+                    for lo in range(0, v.shape[0], FILL_CHUNK_PAGES):
+                        hi = min(v.shape[0], lo + FILL_CHUNK_PAGES)
+                        v[lo:hi].copy_(torch.from_numpy(patterns._pattern(pid, b, range(lo, hi), v.shape[1])))
+                else:
+                    v.fill_(patterns.SENTINEL)
+                views.append(v)
+            side.pools[pid] = views
+        return components
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _state(self, lists):
+        kinds = [p.kind for p in self.scn.state_pools]
+        if not lists:  # KV only
+            return self.ss.state_payload([], [])
+        return self.ss.state_payload(kinds, lists)
+
+    def _poll_all(self, objs: Dict[int, Any], targets, deadline: float) -> Dict[int, Any]:
+        """Poll until each object's state is in ``targets``; returns room -> (state, time)."""
+        done: Dict[int, Any] = {}
+        name = self.ss.poll_name
+        while len(done) < len(objs):
+            for room, obj in objs.items():
+                if room not in done:
+                    state = name(obj.poll())
+                    if state in targets:
+                        done[room] = (state, time.perf_counter())
+            if len(done) < len(objs):
+                if time.monotonic() > deadline:
+                    for room, obj in objs.items():
+                        done.setdefault(room, (name(obj.poll()), time.perf_counter()))
+                    break
+                time.sleep(POLL_SLEEP_S)
+        return done
+
+    # -- commands ---------------------------------------------------------------------------
+    def recv(self, msg) -> Dict[str, Any]:
+        import numpy as np
+
+        side = self.sides[msg["variant"]]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        receivers = {}
+        for room in msg["rooms"]:
+            r = self.ss.make_receiver(self.classes["receiver"], side.mgr, side.addr, room)
+            r.init(0)
+            receivers[room] = r
+        states = self._poll_all(receivers, ("WaitingForInput",) + FINAL, deadline)
+        bad = {r: s for r, (s, _) in states.items() if s != "WaitingForInput"}
+        if bad:
+            return {"ok": False, "error": f"receivers not waiting for input: {bad}"}
+        for i, (room, r) in enumerate(receivers.items()):
+            r.send_metadata(np.asarray(msg["dst_kv"][i], dtype=np.int32), msg["aux"][i],
+                            self._state(msg["dst_state"][i]))
+        side.open = receivers
+        return {"ok": True}
+
+    def send(self, msg) -> Dict[str, Any]:
+        import numpy as np
+
+        side = self.sides[msg["variant"]]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        senders = {room: self.ss.make_sender(self.classes["sender"], side.mgr, side.addr, room)
+                   for room in msg["rooms"]}
+        states = self._poll_all(senders, ("WaitingForInput",) + FINAL, deadline)
+        bad = {r: s for r, (s, _) in states.items() if s != "WaitingForInput"}
+        if bad:
+            return {"ok": False, "error": f"senders not waiting for input: {bad}"}
+        pages = [np.asarray(p, dtype=np.int32) for p in msg["src_kv"]]
+        state = [self._state(s) for s in msg["src_state"]]
+        for i, s in enumerate(senders.values()):
+            s.init(len(pages[i]), msg["aux"][i])
+        t0 = time.perf_counter()
+        for i, s in enumerate(senders.values()):
+            s.send(pages[i], state_indices=state[i])
+        done = self._poll_all(senders, FINAL, deadline + self.scn.timeouts.request_s)
+        ends = [t for _, t in done.values()]
+        statuses = sorted({s for s, _ in done.values()})
+        failures = {room: self.ss.failure_reason(side.mgr, room) for room, (st, _) in done.items() if st != "Success"}
+        for s in senders.values():
+            s.clear()  # as the prefill scheduler does after a final state
+        return {
+            "ok": statuses == ["Success"],
+            "statuses": statuses,
+            "failures": failures,
+            "makespan_s": max(ends) - t0,
+            "latencies_s": [t - t0 for t in ends],
+        }
+
+    def finish(self, msg) -> Dict[str, Any]:
+        side = self.sides[msg["variant"]]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        done = self._poll_all(side.open, FINAL, deadline)
+        statuses = sorted({s for s, _ in done.values()})
+        mismatches = self._verify(side, msg["verify"]) if msg.get("verify") else None
+        for r in side.open.values():
+            r.clear()
+        side.open = {}
+        return {"ok": statuses == ["Success"] and not mismatches, "statuses": statuses, "mismatches": mismatches}
+
+    def _verify(self, side: Side, pages) -> List[str]:
+        """Every transferred page equals the prefill pattern of its source page."""
+        import numpy as np
+
+        from sglang_disagg_ext.harness import patterns
+        from sglang_disagg_ext.harness.scenario import KV_POOL_ID, STATE_POOL_BASE
+
+        out = []
+        pairs = {KV_POOL_ID: (sum(pages["src_kv"], []), sum(pages["dst_kv"], []))}
+        for c in range(len(self.scn.state_pools)):
+            src = sum((req[c] for req in pages["src_state"] if req), [])
+            dst = sum((req[c] for req in pages["dst_state"] if req), [])
+            if src:
+                pairs[STATE_POOL_BASE + c] = (src, dst)
+        for pid, (src, dst) in pairs.items():
+            for b, view in enumerate(side.pools[pid]):
+                for lo in range(0, len(src), FILL_CHUNK_PAGES):
+                    s = src[lo:lo + FILL_CHUNK_PAGES]
+                    d = dst[lo:lo + FILL_CHUNK_PAGES]
+                    want = patterns._pattern(pid, b, s, view.shape[1])
+                    got = view.numpy()[np.asarray(d)]
+                    bad = np.nonzero((want != got).any(axis=1))[0]
+                    if bad.size:
+                        out.append(f"pool {pid} buffer {b}: {bad.size} wrong pages, first decode page {d[bad[0]]}")
+                        break
+        return out
+
+    def goodput(self, msg) -> Dict[str, Any]:
+        """Item 2: the ext manager's state path against the raw engine.
+
+        The ext manager's ``maybe_send_extra`` (the whole state path: planning,
+        page-run coalescing, one batch write per component) is called directly
+        for a registered decode session, as SGLang's transfer worker calls it
+        on the last chunk. Once, untimed, the (src, dst, len) lists it hands to
+        ``engine.batch_transfer_sync`` are recorded; the raw side then calls
+        Mooncake's ``TransferEngine.batch_transfer_sync_write`` with exactly
+        those lists, and a third side with the same bytes one descriptor per
+        page (no coalescing). Interleaved, medians.
+        """
+        from bench.stats import run_interleaved
+
+        side = self.sides["ext"]
+        mgr = side.mgr
+        if not mgr.decode_kv_args_table:
+            return {"ok": False, "error": "no decode session registered yet (run a transfer first)"}
+        session = next(iter(mgr.decode_kv_args_table))
+        info = mgr.decode_kv_args_table[session]
+        req = SimpleNamespace(room=msg["room"], mooncake_session_id=session, dst_state_indices=None)
+        src_lists, dst_lists = msg["src_state"], msg["dst_state"]
+        executor = mgr.executors[0]
+        if self.per_component:
+            req.dst_state_indices = [list(d) for d in dst_lists]
+
+            def ext_path() -> int:
+                return mgr.maybe_send_extra(req, [list(s) for s in src_lists], executor, info)
+        else:
+            req.dst_state_indices = list(dst_lists[0])
+
+            def ext_path() -> int:
+                return mgr.maybe_send_extra(req, list(src_lists[0]), info.dst_state_data_ptrs, executor, info)
+
+        wrapper = mgr.engine
+        calls: List[tuple] = []
+        original = wrapper.batch_transfer_sync
+
+        def recording(session_id, srcs, dsts, lens):
+            calls.append((list(srcs), list(dsts), list(lens)))
+            return original(session_id, srcs, dsts, lens)
+
+        wrapper.batch_transfer_sync = recording
+        try:
+            rc = ext_path()
+        finally:
+            del wrapper.batch_transfer_sync  # back to the class's method
+        if rc != 0 or not calls:
+            return {"ok": False, "error": f"ext state path returned {rc} with {len(calls)} engine calls"}
+        per_page = [_per_page(c, self._state_buffers(mgr)) for c in calls]
+        raw_engine = wrapper.engine  # the mooncake TransferEngine the wrapper calls
+
+        def timed(fn):
+            def run() -> float:
+                t0 = time.perf_counter()
+                rc = fn()
+                dt = time.perf_counter() - t0
+                if rc != 0:
+                    raise RuntimeError(f"transfer returned {rc}")
+                return dt
+            return run
+
+        def raw(lists):
+            def go() -> int:
+                rc = 0
+                for s, d, n in lists:
+                    rc = raw_engine.batch_transfer_sync_write(session, s, d, n) or rc
+                return rc
+            return go
+
+        samples = run_interleaved(
+            {"ext": timed(ext_path), "raw": timed(raw(calls)), "raw_per_page": timed(raw(per_page))},
+            repeats=msg["repeats"],
+        )
+        return {
+            "ok": True,
+            "samples": samples,
+            "bytes": sum(sum(c[2]) for c in calls),
+            "descriptors": {"ext": sum(len(c[2]) for c in calls), "raw": sum(len(c[2]) for c in calls),
+                            "raw_per_page": sum(len(c[2]) for c in per_page)},
+            "engine_calls": len(calls),
+        }
+
+    @staticmethod
+    def _state_buffers(mgr) -> List[tuple]:
+        """(pointer, length, page bytes) of every local state buffer, by pointer."""
+        a = mgr.kv_args
+
+        def flat(x):
+            out = []
+            for v in x:
+                out.extend(v if isinstance(v, (list, tuple)) else [v])
+            return [int(v) for v in out]
+
+        return sorted(zip(flat(a.state_data_ptrs), flat(a.state_data_lens), flat(a.state_item_lens)))
+
+    # -- loop -------------------------------------------------------------------------------
+    def serve(self, conn) -> None:
+        ops = {"recv": self.recv, "send": self.send, "finish": self.finish, "goodput": self.goodput}
+        while True:
+            msg = conn.recv()
+            op = msg.get("op")
+            if op == "quit":
+                conn.send({"ok": True})
+                return
+            try:
+                reply = ops[op](msg)
+            except Exception:
+                reply = {"ok": False, "error": traceback.format_exc(limit=8)[-3000:]}
+            conn.send(reply)
+
+
+def _per_page(call, buffers: List[tuple]):
+    """The same bytes as ``call``'s descriptors, one descriptor per page.
+
+    ``buffers``: (base pointer, length, page bytes) of every local state
+    buffer; each descriptor is cut at the page size of the buffer it reads."""
+    import bisect
+
+    bases = [b[0] for b in buffers]
+    srcs, dsts, lens = [], [], []
+    for s, d, n in zip(*call):
+        i = bisect.bisect_right(bases, s) - 1
+        if i < 0 or s + n > buffers[i][0] + buffers[i][1]:
+            raise RuntimeError(f"descriptor 0x{s:x}+{n} is not inside one registered state buffer")
+        item = buffers[i][2]
+        for k in range(n // item):
+            srcs.append(s + k * item)
+            dsts.append(d + k * item)
+            lens.append(item)
+    return srcs, dsts, lens
+
+
+def _wait_port(port: int, deadline: float) -> None:
+    import socket
+
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bootstrap server did not listen on port {port}")
+            time.sleep(0.05)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--ports", required=True, help="bootstrap ports: stock,ext")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--dist-init", required=True)
+    p.add_argument("--control", required=True, help="HOST:PORT of the parent's listener")
+    p.add_argument("--max-seconds", type=float, default=None)
+    args = p.parse_args(argv)
+    from sglang_disagg_ext.harness.worker import _start_watchdog
+
+    _start_watchdog(args.max_seconds)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host, port = args.control.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["BENCH_AUTHKEY"]))
+    conn.send({"hello": args.role})
+    worker = Worker(args)
+    try:
+        info = worker.setup()
+        conn.send({"ok": True, "ready": info})
+        worker.serve(conn)
+    except BaseException:
+        err = traceback.format_exc()[-4000:]
+        print(err, file=sys.stderr, flush=True)
+        try:
+            conn.send({"ok": False, "error": err})
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Run SGLang's own GSM8K evaluation against a PD router (and optionally a colocated server).
+
+    python scripts/gsm8k.py --run-dir runs/pd-... --data-path /data/gsm8k/test.jsonl
+    python scripts/gsm8k.py --url http://127.0.0.1:8000 --data-path test.jsonl \\
+        --colocated-model-path /models/Llama-3.1-8B-Instruct --colocated-base-gpu-id 2
+
+The evaluation is the installed release's ``sglang.test.few_shot_gsm8k`` (every
+release from 0.5.10.post1 to 0.5.23 ships it), or ``sglang.test.run_eval
+--eval-name gsm8k`` where it is missing. It runs as a child process and its
+printed metrics are parsed: accuracy, invalid rate, latency, output throughput.
+With ``--colocated-url`` (a running server) or ``--colocated-model-path`` (this
+script starts one, waits for ``/health`` and stops it by PID afterwards) the
+same evaluation runs against a non-PD server and the difference is printed.
+
+Nothing is downloaded unless ``--allow-download`` is given: ``--data-path``
+names a local GSM8K ``test.jsonl`` (one ``{"question": ..., "answer": ...}`` per
+line, answers ending ``#### <number>``). Exit codes: 0 done, 2 bad options or
+no server reachable (nothing run), 1 the evaluation failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sglang_disagg_ext.deploy import DeployError
+
+FEW_SHOT_MODULE = "sglang.test.few_shot_gsm8k"
+RUN_EVAL_MODULE = "sglang.test.run_eval"
+
+_FEW_SHOT_PATTERNS = {
+    "accuracy": re.compile(r"^Accuracy:\s*([0-9.]+)\s*$", re.M),
+    "invalid": re.compile(r"^Invalid:\s*([0-9.]+)\s*$", re.M),
+    "latency_s": re.compile(r"^Latency:\s*([0-9.]+)\s*s\s*$", re.M),
+    "output_throughput": re.compile(r"^Output throughput:\s*([0-9.]+)\s*token/s\s*$", re.M),
+}
+_RUN_EVAL_PATTERNS = {
+    "accuracy": re.compile(r"^Score:\s*([0-9.]+)\s*$", re.M),
+    "latency_s": re.compile(r"^Total latency:\s*([0-9.]+)\s*s\s*$", re.M),
+    "output_throughput": re.compile(r"^Output throughput:\s*([0-9.]+)\s*token/s\s*$", re.M),
+}
+
+
+@dataclasses.dataclass
+class EvalOptions:
+    data_path: Optional[str]
+    num_questions: int = 200
+    num_shots: int = 5
+    parallel: int = 128
+    max_new_tokens: int = 512
+
+
+# ---------------------------------------------------------------- pure parts
+
+def check_data_file(path: str, num_shots: int) -> int:
+    """Validate a local GSM8K JSONL file; return its number of questions."""
+    p = Path(path)
+    if not p.is_file():
+        raise DeployError(f"--data-path {path}: no such file")
+    count = 0
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DeployError(f"--data-path {path}:{lineno}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
+                    or not isinstance(row.get("answer"), str):
+                raise DeployError(f"--data-path {path}:{lineno}: needs string fields 'question' and 'answer'")
+            if not re.search(r"\d", row["answer"]):
+                raise DeployError(f"--data-path {path}:{lineno}: the answer holds no number")
+            count += 1
+    if count < max(1, num_shots):
+        raise DeployError(f"--data-path {path}: {count} question(s), fewer than --num-shots {num_shots}")
+    return count
+
+
+def split_url(url: str):
+    """(host argument, port) for few_shot_gsm8k's ``--host``/``--port``."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise DeployError(f"{url!r} is not an http(s) URL like http://127.0.0.1:8000")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    host = parsed.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    # few_shot_gsm8k takes a bare host for http; a scheme is still accepted (with a warning).
+    return (host if parsed.scheme == "http" else f"https://{host}"), port
+
+
+def eval_command(python: str, module: str, url: str, opts: EvalOptions) -> List[str]:
+    if module == FEW_SHOT_MODULE:
+        host, port = split_url(url)
+        argv = [python, "-m", module, "--host", host, "--port", str(port),
+                "--num-questions", str(opts.num_questions), "--num-shots", str(opts.num_shots),
+                "--parallel", str(opts.parallel), "--max-new-tokens", str(opts.max_new_tokens)]
+        if opts.data_path:
+            argv += ["--data-path", opts.data_path]
+        return argv
+    if module == RUN_EVAL_MODULE:
+        argv = [python, "-m", module, "--base-url", url.rstrip("/"), "--eval-name", "gsm8k",
+                "--num-examples", str(opts.num_questions), "--num-threads", str(opts.parallel),
+                "--max-tokens", str(opts.max_new_tokens)]
+        if opts.data_path:
+            argv += ["--gsm8k-data-path", opts.data_path]
+        return argv
+    raise DeployError(f"unknown GSM8K evaluation module {module!r}")
+
+
+def parse_output(module: str, text: str) -> Dict[str, Optional[float]]:
+    """Metrics from the evaluation's printed lines; DeployError when a required one is missing."""
+    patterns = _FEW_SHOT_PATTERNS if module == FEW_SHOT_MODULE else _RUN_EVAL_PATTERNS
+    out: Dict[str, Optional[float]] = {"accuracy": None, "invalid": None,
+                                       "latency_s": None, "output_throughput": None}
+    for key, pattern in patterns.items():
+        found = pattern.findall(text)
+        if found:
+            out[key] = float(found[-1])
+    missing = [k for k in ("accuracy", "latency_s") if out[k] is None]
+    if missing:
+        tail = "\n".join(text.splitlines()[-15:])
+        raise DeployError(f"{module} printed no {' / '.join(missing)} line; its output ended:\n{tail}")
+    return out
+
+
+def compare(pd: dict, colocated: dict) -> Dict[str, Optional[float]]:
+    """PD minus colocated, per metric (None where either side lacks it)."""
+    return {k: (None if pd.get(k) is None or colocated.get(k) is None else pd[k] - colocated[k])
+            for k in ("accuracy", "invalid", "latency_s", "output_throughput")}
+
+
+def _fmt(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_table(results: Dict[str, dict], difference: Optional[dict] = None) -> str:
+    lines = [f"{'target':<10} {'accuracy':>9} {'invalid':>8} {'latency_s':>10} {'output_tok/s':>13}"]
+    for name, m in results.items():
+        lines.append(f"{name:<10} {_fmt(m['accuracy'], 3):>9} {_fmt(m['invalid'], 3):>8} "
+                     f"{_fmt(m['latency_s'], 3):>10} {_fmt(m['output_throughput'], 1):>13}")
+    if difference is not None:
+        lines.append(f"{'pd - colo':<10} {_fmt(difference['accuracy'], 3):>9} {_fmt(difference['invalid'], 3):>8} "
+                     f"{_fmt(difference['latency_s'], 3):>10} {_fmt(difference['output_throughput'], 1):>13}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- processes and HTTP
+
+def pick_module() -> str:
+    for module in (FEW_SHOT_MODULE, RUN_EVAL_MODULE):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return module
+        except ModuleNotFoundError:
+            break  # sglang itself is missing
+    raise DeployError(f"neither {FEW_SHOT_MODULE} nor {RUN_EVAL_MODULE} is importable in {sys.executable} "
+                      "(is SGLang installed?)")
+
+
+def probe(url: str, timeout: float) -> Optional[str]:
+    """Why ``url`` cannot serve the evaluation (None when /get_model_info answers 200)."""
+    target = url.rstrip("/") + "/get_model_info"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            if resp.status == 200:
+                return None
+            return f"GET {target} answered HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"GET {target} answered HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"GET {target} failed: {reason}"
+
+
+def run_eval(module: str, url: str, opts: EvalOptions, workdir: Path, timeout: float,
+             label: str) -> Dict[str, Optional[float]]:
+    argv = eval_command(sys.executable, module, url, opts)
+    print(f"gsm8k: [{label}] {' '.join(argv)}", file=sys.stderr, flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)  # few_shot_gsm8k writes tmp_output_gsm8k.txt to its cwd
+    try:
+        done = subprocess.run(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=None, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise DeployError(f"[{label}] {module} did not finish within {timeout:g} s (stopped)") from None
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout or "").splitlines()[-15:])
+        raise DeployError(f"[{label}] {module} exited with code {done.returncode}; output ended:\n{tail}")
+    return parse_output(module, done.stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gsm8k", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="router (or any SGLang server) URL, e.g. http://127.0.0.1:8000")
+    target.add_argument("--run-dir", type=Path, help="run folder from launch_pd: use its router")
+    p.add_argument("--data-path", help="local GSM8K test.jsonl")
+    p.add_argument("--allow-download", action="store_true",
+                   help="without --data-path, let SGLang download GSM8K from GitHub")
+    p.add_argument("--num-questions", type=int, default=200)
+    p.add_argument("--num-shots", type=int, default=5)
+    p.add_argument("--parallel", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    colo = p.add_mutually_exclusive_group()
+    colo.add_argument("--colocated-url", help="also evaluate this running non-PD server")
+    colo.add_argument("--colocated-model-path", help="start a non-PD server of this model, evaluate it, stop it")
+    p.add_argument("--colocated-tp", type=int, default=1)
+    p.add_argument("--colocated-base-gpu-id", type=int, default=0)
+    p.add_argument("--colocated-port", type=int, default=None, help="default: a free port")
+    p.add_argument("--colocated-args", default="", help="extra server arguments (one shell-quoted string)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--health-timeout", type=float, default=900.0,
+                   help="seconds to wait for a started colocated server's /health")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per evaluation run")
+    p.add_argument("--connect-timeout", type=float, default=10.0,
+                   help="seconds to wait for a server to answer before giving up")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _err(msg: str) -> None:
+    print(f"gsm8k: {msg}", file=sys.stderr, flush=True)
+
+
+def _start_colocated(args, run_dir: Path):
+    import shlex
+
+    from sglang_disagg_ext.deploy.commands import build_colocated_server
+    from sglang_disagg_ext.deploy.launch_pd import check_model_path
+    from sglang_disagg_ext.deploy.procs import Launcher, free_ports, port_in_use
+
+    model = str(Path(args.colocated_model_path).expanduser().absolute())
+    check_model_path(model)
+    port = args.colocated_port or free_ports("127.0.0.1", 1)[0]
+    reason = port_in_use("127.0.0.1", port)
+    if reason:
+        raise DeployError(f"port {port} (--colocated-port) is not available: {reason}")
+    spec = build_colocated_server(model, port, sys.executable, tp=args.colocated_tp,
+                                  base_gpu_id=args.colocated_base_gpu_id,
+                                  trust_remote_code=args.trust_remote_code,
+                                  extra_args=shlex.split(args.colocated_args))
+    launcher = Launcher(run_dir)
+    launcher.start(spec)
+    _err(f"started colocated server (pid {launcher.procs['colocated'].pid}, log {launcher.log_path('colocated')})")
+    return launcher, spec.url
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = EvalOptions(args.data_path, args.num_questions, args.num_shots, args.parallel, args.max_new_tokens)
+    try:
+        for flag in ("num_questions", "num_shots", "parallel", "max_new_tokens"):
+            if getattr(args, flag) < (0 if flag == "num_shots" else 1):
+                raise DeployError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        if args.data_path:
+            count = check_data_file(args.data_path, args.num_shots)
+            if count < args.num_questions:
+                _err(f"{args.data_path} holds {count} questions; evaluating those")
+            opts.data_path = str(Path(args.data_path).absolute())
+        elif not args.allow_download:
+            raise DeployError("give --data-path (a local GSM8K test.jsonl) or --allow-download")
+        if args.run_dir:
+            from sglang_disagg_ext.deploy.procs import RunRecord
+
+            record = RunRecord.load(args.run_dir)
+            url = record.data.get("router_url") or record.url_of("router")
+            if not url:
+                raise DeployError(f"{args.run_dir}/run.json records no router URL")
+        else:
+            url = args.url
+        split_url(url)
+        module = pick_module()
+        deadline = time.monotonic() + args.connect_timeout
+        reason = probe(url, timeout=args.connect_timeout)
+        if reason:
+            raise DeployError(f"no SGLang server answers at {url} ({reason}); "
+                              "start one first (scripts/launch_pd.py start ...)")
+        if args.colocated_url:
+            split_url(args.colocated_url)
+            reason = probe(args.colocated_url, timeout=max(1.0, deadline - time.monotonic()))
+            if reason:
+                raise DeployError(f"no SGLang server answers at --colocated-url {args.colocated_url} ({reason})")
+    except DeployError as exc:
+        _err(str(exc))
+        return 2
+
+    run_dir = args.run_dir or Path("runs") / f"gsm8k-{time.strftime('%Y%m%d-%H%M%S')}"
+    results: Dict[str, dict] = {}
+    launcher = None
+    try:
+        results["pd"] = run_eval(module, url, opts, run_dir / "gsm8k-pd", args.timeout, "pd")
+        colo_url = args.colocated_url
+        if args.colocated_model_path:
+            # its own run.json: run_dir may be a PD run folder whose record must stay intact
+            launcher, colo_url = _start_colocated(args, run_dir / "colocated")
+            launcher.wait_healthy(["colocated"], timeout=args.health_timeout, progress=_err)
+        if colo_url:
+            results["colocated"] = run_eval(module, colo_url, opts, run_dir / "gsm8k-colocated",
+                                            args.timeout, "colocated")
+    except DeployError as exc:
+        _err(str(exc))
+        return 1
+    finally:
+        if launcher is not None:
+            for line in launcher.stop_all(grace=10.0):
+                _err(line)
+
+    difference = compare(results["pd"], results["colocated"]) if "colocated" in results else None
+    if args.json:
+        print(json.dumps({"module": module, "url": url, "results": results, "difference": difference}, indent=2))
+    else:
+        print(f"GSM8K via {module}: {opts.num_questions} questions, {opts.num_shots} shots")
+        print(format_table(results, difference))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

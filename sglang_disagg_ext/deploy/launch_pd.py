@@ -1,0 +1,276 @@
+"""Start a 1P1D deployment (prefill server, decode server, router) with one command, or stop it.
+
+    python scripts/launch_pd.py start --model-path /models/Llama-3.1-8B-Instruct [options]
+    python scripts/launch_pd.py start --model-path ... --dry-run     # print the 3 commands
+    python scripts/launch_pd.py stop --run-dir runs/pd-20260101-120000-1234
+
+``start`` checks everything it can before starting anything (model folder,
+GPUs, ports, the installed SGLang release, the router), then starts prefill and
+decode, waits until both answer ``/health``, starts the router and waits for it.
+If a server exits or the wait runs past ``--timeout``, it says which server and
+where its log is, and stops every process it started. PIDs and logs go to the
+run folder; ``stop`` ends exactly those PIDs (and their descendants).
+
+The server module follows the installed release (``releases.ReleasePolicy.server_module``):
+``sglang.launch_server`` where SGLang loads the plugin itself, the plugin's
+``sglang_disagg_ext.launch_server`` on 0.5.10.post1. The router is
+``sglang_router.launch_router --pd-disaggregation`` when installed, else the
+in-tree ``sglang_disagg_ext.deploy.mini_lb`` (no SGLang release in range ships one).
+
+Exit codes: 0 ready (or dry run printed), 2 bad options or a failed check
+(nothing started), 1 a started server failed (everything started was stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from sglang_disagg_ext.deploy import DeployError
+from sglang_disagg_ext.deploy import commands as cmds
+
+DEFAULT_HEALTH_TIMEOUT = 900.0
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _err(msg: str) -> None:
+    print(f"launch_pd: {msg}", file=sys.stderr, flush=True)
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / f"pd-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch_pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("start", help="start prefill, decode and router; wait until all answer /health")
+    p.add_argument("--model-path", required=True, help="local model folder (holds config.json)")
+    p.add_argument("--backend", default="mooncake-ext", choices=cmds.KNOWN_BACKENDS,
+                   help="transfer backend (default mooncake-ext)")
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size (default 1)")
+    p.add_argument("--prefill-base-gpu-id", type=int, default=0, help="first GPU of prefill (default 0)")
+    p.add_argument("--decode-base-gpu-id", type=int, default=None,
+                   help="first GPU of decode (default: the first GPU after prefill's)")
+    p.add_argument("--host", default="127.0.0.1", help="address all three bind to (default 127.0.0.1)")
+    p.add_argument("--prefill-port", type=int, help="prefill HTTP port (default: a free port)")
+    p.add_argument("--decode-port", type=int, help="decode HTTP port (default: a free port)")
+    p.add_argument("--bootstrap-port", type=int, help="prefill bootstrap port (default: a free port)")
+    p.add_argument("--router-port", type=int, help="router port (default: a free port)")
+    p.add_argument("--ib-device", help="RDMA device(s) for the transfer engine, e.g. mlx5_0")
+    p.add_argument("--protocol", default="rdma", choices=cmds.PROTOCOLS,
+                   help="Mooncake transport (default rdma; tcp sets MC_FORCE_TCP/MOONCAKE_PROTOCOL)")
+    p.add_argument("--router", default="auto", choices=("auto",) + cmds.ROUTERS,
+                   help="auto: sglang_router when installed, else the in-tree mini load balancer")
+    p.add_argument("--trust-remote-code", action="store_true", help="pass --trust-remote-code to both servers")
+    p.add_argument("--server-args", default="", help="extra arguments for both servers (one shell-quoted string)")
+    p.add_argument("--prefill-args", default="", help="extra arguments for prefill only")
+    p.add_argument("--decode-args", default="", help="extra arguments for decode only")
+    p.add_argument("--server-module", default=None,
+                   help="module run as `python -m MODULE` for both servers (default: per SGLang release)")
+    p.add_argument("--run-dir", type=Path, default=None, help="folder for run.json and logs (default runs/pd-...)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT,
+                   help=f"seconds to wait for /health on all three (default {DEFAULT_HEALTH_TIMEOUT:g})")
+    p.add_argument("--skip-gpu-check", action="store_true",
+                   help="start even if fewer NVIDIA GPUs are visible than the servers need")
+    p.add_argument("--dry-run", action="store_true", help="print the three commands and start nothing")
+
+    p = sub.add_parser("stop", help="stop the processes recorded in a run folder")
+    p.add_argument("--run-dir", type=Path, required=True, help="run folder written by start")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL (default 15)")
+    return parser
+
+
+def _split(what: str, text: str) -> List[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise DeployError(f"{what} is not a valid shell-quoted string: {exc}") from None
+
+
+def options_from_args(args, ports: List[int]) -> cmds.PDOptions:
+    both = _split("--server-args", args.server_args)
+    return cmds.PDOptions(
+        model_path=str(Path(args.model_path).expanduser().absolute()) if args.model_path else "",
+        prefill_port=ports[0],
+        decode_port=ports[1],
+        bootstrap_port=ports[2],
+        router_port=ports[3],
+        backend=args.backend,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prefill_base_gpu_id=args.prefill_base_gpu_id,
+        decode_base_gpu_id=args.decode_base_gpu_id,
+        host=args.host,
+        ib_device=args.ib_device,
+        protocol=args.protocol,
+        trust_remote_code=args.trust_remote_code,
+        prefill_extra_args=tuple(both + _split("--prefill-args", args.prefill_args)),
+        decode_extra_args=tuple(both + _split("--decode-args", args.decode_args)),
+        router=cmds.choose_router(args.router, router_installed()),
+    )
+
+
+def router_installed() -> bool:
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def resolve_ports(args) -> List[int]:
+    from sglang_disagg_ext.deploy.procs import free_ports
+
+    given = [args.prefill_port, args.decode_port, args.bootstrap_port, args.router_port]
+    fresh = iter(free_ports(args.host, sum(1 for p in given if p is None)))
+    return [p if p is not None else next(fresh) for p in given]
+
+
+def check_model_path(model_path: str) -> None:
+    path = Path(model_path)
+    if not path.exists():
+        raise DeployError(f"model path {model_path} does not exist (give a local model folder)")
+    if not path.is_dir():
+        raise DeployError(f"model path {model_path} is not a folder")
+    if not (path / "config.json").is_file():
+        raise DeployError(f"model path {model_path} has no config.json: not a model folder")
+
+
+def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check: bool) -> None:
+    """Everything that can be checked before a process starts. Raises DeployError."""
+    from sglang_disagg_ext.deploy.procs import gpu_count, port_in_use
+
+    check_model_path(opts.model_path)
+    if importlib.util.find_spec("sglang") is None:
+        raise DeployError(f"SGLang is not installed in {sys.executable}")
+    if opts.router == "sglang-router" and not router_installed():
+        raise DeployError("--router sglang-router: sglang_router is not installed (pip install sglang-router, "
+                          "or use --router mini-lb)")
+    if not skip_gpu_check:
+        needed = opts.gpus_needed()
+        have, how = gpu_count()
+        if have < needed:
+            raise DeployError(
+                f"the servers need {needed} NVIDIA GPU(s) (GPU ids 0..{needed - 1}) but {have} "
+                f"{'is' if have == 1 else 'are'} visible ({how}); --skip-gpu-check starts them anyway"
+            )
+    what = {"prefill": "--prefill-port", "decode": "--decode-port", "router": "--router-port"}
+    checks = [(what[s.name], s.port) for s in specs] + [("--bootstrap-port", opts.bootstrap_port)]
+    for flag, port in checks:
+        reason = port_in_use(opts.host, port)
+        if reason:
+            raise DeployError(f"port {port} ({flag}) on {opts.host} is not available: {reason}")
+
+
+def _raise_interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def start(args) -> int:
+    from sglang_disagg_ext import releases
+    from sglang_disagg_ext.deploy.procs import Launcher
+
+    try:
+        opts = options_from_args(args, resolve_ports(args))
+        for warning in cmds.validate_pd_options(opts):
+            _err(f"warning: {warning}")
+        policy = releases.current_policy()
+        module = args.server_module or cmds.resolve_server_module(policy, opts.backend)
+        specs = cmds.build_pd_servers(opts, sys.executable, module)
+    except DeployError as exc:
+        _err(str(exc))
+        return 2
+
+    if args.dry_run:
+        for spec in specs:
+            print(spec.shell_line())
+        return 0
+
+    try:
+        preflight(opts, specs, args.skip_gpu_check)
+    except DeployError as exc:
+        _err(f"{exc}\nnothing was started")
+        return 2
+
+    run_dir = args.run_dir or default_run_dir()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:
+        if any(run_dir.iterdir()):
+            _err(f"run folder {run_dir} already exists and is not empty; nothing was started")
+            return 2
+    except OSError as exc:
+        _err(f"cannot create run folder {run_dir}: {exc}; nothing was started")
+        return 2
+
+    launcher = Launcher(run_dir)
+    launcher.record.data.update(
+        {
+            "sglang_version": policy.version,
+            "backend": opts.backend,
+            "router": opts.router,
+            "server_module": module,
+            "router_url": specs[2].url,
+        }
+    )
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        prefill, decode, router = specs
+        launcher.start(prefill)
+        launcher.start(decode)
+        _err(f"started prefill (pid {launcher.procs['prefill'].pid}) and decode "
+             f"(pid {launcher.procs['decode'].pid}); waiting up to {args.timeout:g} s for /health")
+        deadline = time.monotonic() + args.timeout
+        launcher.wait_healthy(["prefill", "decode"], timeout=args.timeout, progress=_err)
+        launcher.start(router)
+        launcher.wait_healthy(["router"], timeout=max(1.0, deadline - time.monotonic()), progress=_err)
+    except (DeployError, Interrupted, KeyboardInterrupt, OSError) as exc:
+        reason = f"interrupted ({exc})" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else str(exc)
+        _err(reason)
+        _err("stopping every process this run started")
+        for line in launcher.stop_all(grace=10.0):
+            _err(f"  {line}")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+    print(f"PD deployment ready: SGLang {policy.version}, backend {opts.backend}, router {opts.router}")
+    for entry in launcher.record.servers:
+        print(f"  {entry['name']:<8} pid {entry['pid']:<8} {entry['url']:<28} log {entry['log']}")
+    print(f"router URL: {specs[2].url}")
+    print(f"run folder: {run_dir}")
+    print(f"stop with:  {shlex.quote(sys.executable)} scripts/launch_pd.py stop --run-dir {shlex.quote(str(run_dir))}")
+    return 0
+
+
+def stop(args) -> int:
+    from sglang_disagg_ext.deploy.procs import RunRecord, stop_recorded
+
+    try:
+        record = RunRecord.load(args.run_dir)
+    except DeployError as exc:
+        _err(str(exc))
+        return 2
+    for line in stop_recorded(record.servers, grace=args.grace):
+        print(line)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return start(args) if args.command == "start" else stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``selftest --protocol/--device/--ib-device`` reach the workers, and options this
+machine cannot honour end with a clear error, on the real Mooncake engine.
+
+This machine has no GPU and no RDMA device. What that allows, and is done:
+
+* ``--device cuda`` is refused before any transfer (exit 2, the reason named);
+* ``--protocol rdma`` goes all the way to the real engine start in both worker
+  processes and fails there, bounded, with "RDMA init failed" and the IB
+  device tried (measured: Mooncake 0.3.13.post1 itself falls back to TCP and
+  returns 0, so the harness checks the engine's topology);
+* the default run's workers report the protocol the engine was really
+  initialised with and the device of every pool they built, and an explicit
+  ``--protocol tcp --device cpu`` selftest row passes as the default does.
+
+GPU pools and a working RDMA transfer are not exercised here (no GPU or HCA
+is lent to these runners); ``docs/selftest-on-a-node.md`` says how to run them
+on a node. Nothing is faked.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.harness import run_scenario
+from sglang_disagg_ext.harness import scenario as scenarios
+
+HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+NO_MOONCAKE = "Mooncake transfer engine not installed"
+RUN_TIMEOUT = 240  # one harness run: two workers' imports dominate on 2 shared cores
+CLI_TIMEOUT = 2 * RUN_TIMEOUT + 60  # stock + ext of one scenario, plus the CLI's own imports
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _rdma_devices():
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def _cli(*args, timeout):
+    """Run the CLI in a child process; ``subprocess.run`` kills it if the bound passes."""
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_disagg_ext.cli", "selftest", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _first_mooncake_scenario() -> str:
+    from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+
+    return scenarios_for(releases.current_policy())[0].name
+
+
+# -- refused before any transfer ----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_has_cuda(), reason="this machine has CUDA: --device cuda would be honoured, not refused")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_device_cuda_without_cuda_exits_before_any_transfer(device):
+    out = _cli("--backend", "mooncake", "--device", device, timeout=100)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"--device {device}: CUDA is not available here" in out.stderr
+    assert "torch.cuda.is_available() is False" in out.stderr
+    assert out.stdout == ""  # no table: nothing ran
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "gpu"], "--device 'gpu': expected cpu, cuda or cuda:N"),
+        (["--ib-device", "mlx5_0"], "--ib-device 'mlx5_0' names an RDMA device; it applies only with --protocol rdma"),
+        (["--scenario", "no such row"], "--scenario 'no such row': no such scenario"),
+    ],
+)
+def test_bad_options_named(args, message):
+    out = _cli("--backend", "mooncake", *args, timeout=100)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+    assert out.stdout == ""
+
+
+# -- RDMA on a machine without RDMA ------------------------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(CLI_TIMEOUT + 30)
+@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@pytest.mark.skipif(bool(_rdma_devices()), reason=f"this machine has RDMA devices {_rdma_devices()}: RDMA would start")
+def test_protocol_rdma_fails_definitely_in_both_workers():
+    name = _first_mooncake_scenario()
+    out = _cli("--backend", "mooncake", "--protocol", "rdma", "--scenario", name, "--json", timeout=CLI_TIMEOUT)
+    assert out.returncode == 1, (out.stdout[-3000:], out.stderr[-3000:])
+    rows = json.loads(out.stdout)
+    assert [r["scenario"] for r in rows] == [name]  # --scenario: F5 rows not run
+    (row,) = rows
+    assert row["ext"] == "fail" and row["stock"] == "fail" and row["verified"] is False
+    detail = row["ext_detail"]
+    # Both workers reached the engine start and reported the same failure.
+    for role in ("prefill", "decode"):
+        assert f"{role}: RuntimeError: RDMA init failed: Mooncake TransferEngine: no RDMA device found" in detail, detail
+    assert detail.count("(ib device tried: none given (auto-discovery))") == 2, detail
+    assert "Mooncake installed its TCP transport instead" in detail
+    assert "harness deadline" not in detail  # ended by the failure, not by the bound
+    assert row["engine_transport"] == [] and row["pool_devices"] == []  # no worker got past the engine
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@pytest.mark.skipif("mlx5_0" in _rdma_devices(), reason="this machine has mlx5_0: the device would be accepted")
+def test_named_ib_device_that_is_absent_fails_naming_it():
+    res = run_scenario(
+        scenarios.kv_only("rdma-mlx5_0", n_pages=2), "mooncake", timeout_s=RUN_TIMEOUT,
+        protocol="rdma", ib_device="mlx5_0",
+    )
+    assert not res.ok and res.setup_failed, res.describe()
+    assert res.transfer == {"protocol": "rdma", "device": "cpu", "ib_device": "mlx5_0"}
+    for role in ("prefill", "decode"):
+        assert f"{role}: RuntimeError: RDMA init failed: ServerArgs:" in res.error, res.describe()
+    assert res.error.count("(ib device tried: mlx5_0)") == 2, res.error
+    assert "harness deadline" not in res.error
+    assert res.exit_codes == {"prefill": 0, "decode": 0}, res.describe()
+
+
+# -- the default path, and the same options spelled out ----------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+def test_default_run_reports_tcp_engine_and_cpu_pools(policy):
+    scn = scenarios.with_state("swa-on-cpu", "swa", src_pages=[1, 2], dst_pages=[9, 10])
+    res = run_scenario(scn, "mooncake", timeout_s=RUN_TIMEOUT)
+    assert res.ok, res.describe()
+    assert res.transfer == {"protocol": "tcp", "device": "cpu", "ib_device": None}
+    # SGLang up to 0.5.12 hard-codes "rdma" in its engine wrapper and the
+    # harness's MC_FORCE_TCP=1 makes Mooncake use TCP; 0.5.13+ pass
+    # MOONCAKE_PROTOCOL ("tcp") through.
+    # (Read in the wrappers of 0.5.10.post1, 0.5.11, 0.5.12.post1 and 0.5.23.)
+    hard_coded_rdma = tuple(int(x) for x in policy.version.split(".")[:3]) < (0, 5, 13)
+    for role in ("prefill", "decode"):
+        engine = res.engines[role]
+        assert engine["engine"] == "mooncake"
+        assert engine["initialize_protocol"] == ("rdma" if hard_coded_rdma else "tcp")
+        assert engine["mc_force_tcp"] is True
+        assert engine["transport"] == "tcp"
+        assert res.pool_devices[role] == {"kv": "cpu", "aux": "cpu", "state0:swa": "cpu"}
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(CLI_TIMEOUT + 30)
+@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+def test_explicit_tcp_cpu_row_passes_like_the_default():
+    name = _first_mooncake_scenario()
+    out = _cli("--backend", "mooncake", "--protocol", "tcp", "--device", "cpu", "--scenario", name, "--json",
+               timeout=CLI_TIMEOUT)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    (row,) = json.loads(out.stdout)
+    assert row["scenario"] == name
+    assert row["ext"] == "pass" and row["verified"] is True, row
+    assert row["engine_transport"] == ["tcp"] and row["pool_devices"] == ["cpu"], row
