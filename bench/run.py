@@ -176,20 +176,16 @@ def run(args) -> Dict[str, Any]:
     # Item 5: plugin loading.
     from bench import startup
 
-    if startup.has_plugin_framework(sys.executable):
-        # A scheduler probe imports SGLang's memory pools (30-40 s on a loaded 2-core box): 2 repeats.
-        load = startup.measure({"server": 1} if args.quick else {"server": 4, "scheduler": 2})
-        for r in load:
-            log(f"  5 {r['case']}: +{r['added_ms']:.1f} ms")
-            rows.append({"item": "5 plugin load", "case": f"{r['case']} process", "baseline": f"{r['stock_ms']:.1f} ms",
-                         "ext": f"{r['ext_ms']:.1f} ms", "ratio": f"+{r['added_ms']:.1f} ms", "target": "-",
-                         "met": "-"})
-        out["plugin_load_ms"] = next(r["added_ms"] for r in load if r["case"] == "server")
-        out["plugin_load_ms_by_process"] = {r["case"]: r["added_ms"] for r in load}
-        out["details"]["plugin_load"] = load
-    else:  # 0.5.10.post1: no plugin framework; the launcher is the way in
-        out["plugin_load_ms"] = 0.0
-        out["plugin_load_note"] = f"SGLang {version} has no sglang.srt.plugins; start with sglang_disagg_ext.launch_server"
+    # A scheduler probe imports SGLang's memory pools (30-40 s on a loaded 2-core box): 2 repeats.
+    load = startup.measure({"server": 1} if args.quick else {"server": 4, "scheduler": 2})
+    for r in load:
+        log(f"  5 {r['case']}: +{r['added_ms']:.1f} ms")
+        rows.append({"item": "5 plugin load", "case": f"{r['case']} process", "baseline": f"{r['stock_ms']:.1f} ms",
+                     "ext": f"{r['ext_ms']:.1f} ms", "ratio": f"+{r['added_ms']:.1f} ms", "target": "-",
+                     "met": "-"})
+    out["plugin_load_ms"] = next(r["added_ms"] for r in load if r["case"] == "server")
+    out["plugin_load_ms_by_process"] = {r["case"]: r["added_ms"] for r in load}
+    out["details"]["plugin_load"] = load
 
     out["ext_over_stock"] = res.ratio_list(transfer)
     out["goodput_over_raw"] = res.ratio_list(goodput)

@@ -5,7 +5,8 @@ by the time it calls ``sglang.srt.plugins.load_plugins()`` (``server_args``
 and the plugin framework: ``launch_server`` imports them at module level), then
 times ``load_plugins()`` alone. ``SGLANG_PLUGINS`` (SGLang's own allow-list)
 selects the plugin's entry point ``disagg_ext`` or nothing, in alternating
-order. Two settings:
+order (0.5.10.post1, without the framework: the launcher's own ``load_plugin()``
+call against none). Two settings:
 
 * ``server``: the process that parses the command line (no backend chosen yet:
   the plugin adds the ``-ext`` names and wraps argument resolution);
@@ -32,8 +33,17 @@ NO_PLUGIN = "__bench_no_plugin__"  # a name no entry point has: SGLang then load
 
 _PROBE = r"""
 import json, sys, time
+import os
 import sglang.srt.server_args  # noqa: F401  (imported before load_plugins in launch_server)
-from sglang.srt.plugins import load_plugins
+try:
+    from sglang.srt.plugins import load_plugins
+except ImportError:
+    # 0.5.10.post1 has no plugin framework: sglang_disagg_ext.launch_server calls
+    # the plugin's load_plugin() itself, so that call is what loading adds there.
+    def load_plugins():
+        if os.environ.get("SGLANG_PLUGINS") == "disagg_ext":
+            from sglang_disagg_ext.registration import load_plugin
+            load_plugin()
 if sys.argv[1] == "scheduler":
     # A PD scheduler has its memory pools and transfer backend imported by then.
     import sglang.srt.disaggregation.mooncake.conn  # noqa: F401
@@ -45,11 +55,6 @@ dt = time.perf_counter() - t0
 from sglang.srt import server_args
 print(json.dumps({"seconds": dt, "ext_names": "mooncake-ext" in server_args.DISAGG_TRANSFER_BACKEND_CHOICES}))
 """
-
-
-def has_plugin_framework(python: str) -> bool:
-    r = subprocess.run([python, "-c", "import sglang.srt.plugins"], capture_output=True, timeout=300)
-    return r.returncode == 0
 
 
 def _probe(python: str, setting: str, with_plugin: bool, timeout: float = 300.0) -> Dict[str, Any]:
