@@ -208,6 +208,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=1800.0, help="lifetime bound of the transfer workers")
     ap.add_argument("--quiet", action="store_true", help="only the final table")
     args = ap.parse_args(argv)
+    from sglang_disagg_ext import releases
+
+    policy = releases.current_policy()
+    if policy.support is not releases.Support.ACTIVE:
+        # Pass-through: the -ext names run SGLang's own classes, so ext vs stock
+        # would compare a class with itself.
+        print(f"bench: SGLang {policy.version} is {policy.support.value} for sglang-disagg-ext; the -ext backends "
+              f"are SGLang's own classes there and there is nothing to compare. Run it on a release with live "
+              f"fixes, e.g. make bench SGLANG=0.5.12.post1", file=sys.stderr)
+        return 2
     out = run(args)
     with open(args.out + ".tmp", "w") as f:
         json.dump(out, f, indent=1)

@@ -156,7 +156,7 @@ def make_server_args(
     extra = {"tp_size": tp_size} if tp_size != 1 else {}  # multi-rank scenarios (harness.ranks)
     if ib_device:
         extra["disaggregation_ib_device"] = ib_device
-    return ServerArgs(
+    server_args = ServerArgs(
         **extra,
         model_path=model_dir,
         skip_tokenizer_init=True,
@@ -167,6 +167,13 @@ def make_server_args(
         host="127.0.0.1",
         page_size=page_size,
     )
+    # 0.5.13+ check their arguments (the IB device among them) when resolved, not
+    # when built; resolving here makes every release refuse bad arguments at this
+    # step, as the launcher does before any process starts. Idempotent there.
+    resolve_once = getattr(server_args, "resolve_once", None)
+    if resolve_once is not None:
+        resolve_once()
+    return server_args
 
 
 def init_runtime(
