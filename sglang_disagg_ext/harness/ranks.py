@@ -29,6 +29,7 @@ import time
 from typing import Dict, List, Optional
 
 from .run import (
+    _kill_all,
     RequestResult,
     ScenarioResult,
     _Child,
@@ -135,10 +136,10 @@ def run_ranks(
     except BaseException as e:  # includes KeyboardInterrupt: still kill below
         result.error = f"{type(e).__name__}: {e}"
         if not isinstance(e, Exception):
-            _kill(children, result)
+            _kill_all(children, result)
             raise
     finally:
-        _kill(children, result)
+        _kill_all(children, result)
         result.wall_seconds = round(time.monotonic() - t0, 2)
         _collect(result, scenario, run_dir, children)
         for c in children.values():
@@ -166,12 +167,6 @@ def _wait(children: Dict[str, _Child], run_dir: str, deadline: float) -> None:
         if dead_since is not None and time.monotonic() - dead_since > SETUP_DEATH_GRACE_S:
             return
         time.sleep(0.05)
-
-
-def _kill(children: Dict[str, _Child], result: ScenarioResult) -> None:
-    for name, c in children.items():
-        if c.kill() and name not in result.killed:
-            result.killed.append(name)
 
 
 def _combine(statuses: List[Optional[str]]) -> Optional[str]:
