@@ -32,8 +32,12 @@ from sglang_disagg_ext.harness.scenario import (
 # Short SGLang timeouts: a stock decode that never completes ends Failed in
 # seconds; request_s leaves room for two cores shared by every rank. 6 s was
 # too short on a loaded 2-core runner (load ~11): a decode timed out before a
-# CPU-starved prefill had posted its write, in ext and stock runs alike.
-TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=12.0, sglang_bootstrap_s=12.0)
+# CPU-starved prefill had posted its write, in ext and stock runs alike. With
+# five processes (P1->D4) on two cores, the prefill took up to 11.0 s from the
+# last decode rank's send_metadata to "bootstrapped" (its bootstrap thread
+# handling four registrations and four room messages; 43 runs measured), so
+# 12 s was at the edge as well.
+TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=20.0, sglang_bootstrap_s=20.0)
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 
 

@@ -235,4 +235,5 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
         rr.decode_log = [f"{n}: {x}" for n in decodes for x in per[n].get("log", [])]
         rr.thread_errors = [f"{n} {t}" for n in names for t in per[n].get("thread_errors", [])]
         rr.rank_status = {n: per[n].get("status") for n in names}
+        rr.rank_phases = {n: per[n].get("phases", {}) for n in names}
         result.requests.append(rr)

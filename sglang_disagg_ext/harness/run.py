@@ -54,6 +54,10 @@ class RequestResult:
     decode_log: List[str] = dataclasses.field(default_factory=list)
     thread_errors: List[str] = dataclasses.field(default_factory=list)
     rank_status: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)  # multi-rank: per rank
+    # multi-rank: per rank, the wall-clock times (time.time()) at which it left
+    # the rank barrier, had its sender/receiver, was bootstrapped (prefill) or
+    # sent its metadata (decode); describe() shows them against the earliest.
+    rank_phases: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def success(self) -> bool:
@@ -135,6 +139,10 @@ class ScenarioResult:
                 lines.append(f"    error: {r.error.strip().splitlines()[-1] if r.error.strip() else r.error}")
             for t in r.thread_errors[:5]:
                 lines.append(f"    {t}")
+            if r.rank_phases and not r.ok:
+                t0 = min((v for ph in r.rank_phases.values() for v in ph.values()), default=0.0)
+                for name, phases in r.rank_phases.items():
+                    lines.append(f"    {name} at: " + " ".join(f"{k}=+{v - t0:.2f}s" for k, v in phases.items()))
         if logs and not self.ok:
             for label, tail in (("prefill", self.prefill_log_tail), ("decode", self.decode_log_tail)):
                 if tail:

@@ -114,14 +114,23 @@ class Timeouts:
     values go to SGLang's own environment variables in the children, so that a
     stock hang ends as ``Failed`` (decode waiting timeout, prefill bootstrap
     timeout) well inside ``request_s``.
+
+    The heartbeat values are looser than SGLang's defaults (5 s x 2): a decode
+    marks its prefill down after ``heartbeat_max_failure`` consecutive
+    ``/health`` checks that got no answer within 3 s, and with five engine
+    processes on two cores a busy prefill missed two in a row (P1->D4, about
+    one run in ten; decode then logs "Lost connection with prefill instance"
+    and fails the room before any byte moves). No harness scenario tests the
+    heartbeat; a dead prefill still ends every request through the waiting
+    timeout.
     """
 
     request_s: float = 30.0
     startup_s: float = 120.0
     sglang_waiting_s: float = 8.0
     sglang_bootstrap_s: float = 8.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_max_failure: int = 2
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failure: int = 6
 
 
 @dataclasses.dataclass

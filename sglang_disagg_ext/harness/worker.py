@@ -33,6 +33,9 @@ POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
 PEER_GRACE_S = 2.0
 TAMPER_ENV = "SGLANG_HARNESS_TAMPER"
+# Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to
+# log at DEBUG in the children, for chasing a stuck bootstrap.
+DEBUG_LOGGERS_ENV = "SGLANG_HARNESS_DEBUG_LOGGERS"
 MAX_LOG_LINES_PER_REQUEST = 30
 MAX_LOG_LINE = 600
 
@@ -104,7 +107,7 @@ class Worker:
         os.replace(tmp, self.args.result)
 
     def mark(self, key: str) -> None:
-        self.result["timings"][key] = round(_now(), 3)
+        self.result["timings"][key] = round(time.time(), 3)
         print(f"[harness {self.role} {_now():7.2f}s] {key}", file=sys.stderr, flush=True)
 
     # -- setup ---------------------------------------------------------------
@@ -402,13 +405,18 @@ class Worker:
         deadline = time.monotonic() + self.scn.timeouts.request_s
         sender = self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["sender_class"] = self.ss.class_name(sender)
+        rec["phases"]["sender"] = round(time.time(), 3)
         trace = rec["polls"]
         give_up = self._decode_gave_up(rec["room"])
         state = self._poll_until(sender, ("WaitingForInput",) + FINAL, deadline, trace, give_up)
         if state != "WaitingForInput":
+            if state not in FINAL:
+                # Stuck before any transfer: say where the engine's own threads are.
+                _print_engine_thread_stacks(f"prefill room {rec['room']} still {state}")
             rec["status"] = state
             return
         src = list(req.src_kv_pages)
+        rec["phases"]["bootstrapped"] = round(time.time(), 3)
         sender.init(len(src), req.aux_index)
         chunks = _split(src, req.send_chunks)
         t_send = time.monotonic()
@@ -428,11 +436,19 @@ class Worker:
         deadline = time.monotonic() + self.scn.timeouts.request_s
         receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["receiver_class"] = self.ss.class_name(receiver)
+        rec["phases"]["receiver"] = round(time.time(), 3)
         receiver.init(0)
+        rec["phases"]["init"] = round(time.time(), 3)
         trace = rec["polls"]
         state = self._poll_until(receiver, ("WaitingForInput",) + FINAL, deadline, trace)
+        # SGLang's waiting timeout runs from each rank's send_metadata and the
+        # prefill serves the room only once every decode rank has sent: a rank
+        # whose init took seconds (its bootstrap-server query) must not leave
+        # the others' clocks running. Every rank reaches this barrier.
+        self._rank_barrier()
         if state == "WaitingForInput":
             t_send = time.monotonic()
+            rec["phases"]["send"] = round(time.time(), 3)
             receiver.send_metadata(
                 np.asarray(req.dst_kv_pages, dtype=np.int32),
                 req.decode_aux_index,
@@ -493,10 +509,13 @@ class Worker:
                 "seconds": None,
                 "polls": [],
                 "error": None,
+                # Wall-clock times, comparable across the ranks' processes.
+                "phases": {},
             }
             self.result["requests"].append(rec)
             try:
                 self._rank_barrier()
+                rec["phases"]["barrier"] = round(time.time(), 3)
                 if self.role == "prefill":
                     self.run_prefill(index, rec)
                 else:
@@ -522,7 +541,7 @@ class Worker:
             print(self.result["error"], file=sys.stderr, flush=True)
         finally:
             self.result["done"] = True
-            self.result["timings"]["total"] = round(_now(), 3)
+            self.result["timings"]["total"] = round(time.time(), 3)
             self.write_result()
         if self.role == "decode":
             _touch(self.args.done_file)
@@ -630,6 +649,24 @@ def _touch(path: Optional[str]) -> None:
             f.write(str(os.getpid()))
 
 
+def _print_engine_thread_stacks(why: str) -> None:
+    """Print the innermost frames of SGLang's bootstrap/transfer threads to stderr (the log tail).
+
+    A request that never leaves Bootstrapping leaves no error behind; the
+    stacks say whether the manager's thread is blocked (and in which call) or
+    idle waiting for a message that never came.
+    """
+    frames = sys._current_frames()
+    lines = [f"[harness] {why}; engine thread stacks:"]
+    for t in threading.enumerate():
+        if t.ident not in frames or t is threading.current_thread() or t.name.startswith("harness-"):
+            continue
+        stack = traceback.extract_stack(frames[t.ident])[-4:]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
+        lines.append(f"  {t.name}: {where}")
+    print("\n".join(lines[:16]), file=sys.stderr, flush=True)
+
+
 def _start_watchdog(max_seconds: Optional[float]) -> None:
     """End this process if the harness parent dies or the lifetime bound passes.
 
@@ -680,6 +717,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = Worker(args)
     logging.getLogger().addHandler(worker.logs)
+    for name in filter(None, (n.strip() for n in os.environ.get(DEBUG_LOGGERS_ENV, "").split(","))):
+        logging.getLogger(name).setLevel(logging.DEBUG)
     rc = worker.main()
     os._exit(rc)
 
