@@ -107,7 +107,7 @@ class Worker:
         os.replace(tmp, self.args.result)
 
     def mark(self, key: str) -> None:
-        self.result["timings"][key] = round(time.time(), 3)
+        self.result["timings"][key] = round(_now(), 3)
         print(f"[harness {self.role} {_now():7.2f}s] {key}", file=sys.stderr, flush=True)
 
     # -- setup ---------------------------------------------------------------
@@ -541,7 +541,7 @@ class Worker:
             print(self.result["error"], file=sys.stderr, flush=True)
         finally:
             self.result["done"] = True
-            self.result["timings"]["total"] = round(time.time(), 3)
+            self.result["timings"]["total"] = round(_now(), 3)
             self.write_result()
         if self.role == "decode":
             _touch(self.args.done_file)
