@@ -319,11 +319,11 @@ class Worker:
         ]
 
     def _rank_barrier(self) -> None:
-        """Multi-rank: the ranks of one side start each request together.
+        """Multi-rank: the ranks of one side meet here once per request.
 
-        SGLang's decode waiting timeout (seconds, here) runs from each decode
-        rank's send_metadata, and prefill serves a room only once every decode
-        rank of it has sent; ranks on shared cores must not drift apart.
+        Prefill ranks meet before they make their senders; decode ranks right
+        before send_metadata (see :meth:`run_decode`). Ranks on shared cores
+        must not drift apart.
         """
         if getattr(self, "tp_size", 1) <= 1:
             return
@@ -446,6 +446,7 @@ class Worker:
         # whose init took seconds (its bootstrap-server query) must not leave
         # the others' clocks running. Every rank reaches this barrier.
         self._rank_barrier()
+        rec["phases"]["barrier"] = round(time.time(), 3)
         if state == "WaitingForInput":
             t_send = time.monotonic()
             rec["phases"]["send"] = round(time.time(), 3)
@@ -514,9 +515,9 @@ class Worker:
             }
             self.result["requests"].append(rec)
             try:
-                self._rank_barrier()
-                rec["phases"]["barrier"] = round(time.time(), 3)
                 if self.role == "prefill":
+                    self._rank_barrier()
+                    rec["phases"]["barrier"] = round(time.time(), 3)
                     self.run_prefill(index, rec)
                 else:
                     self.run_decode(index, rec)
