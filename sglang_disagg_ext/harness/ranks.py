@@ -108,7 +108,7 @@ def run_ranks(
         port = find_free_port()
         env = child_env(scenario, extra_env, options)
         exe = python or sys.executable
-        done = [os.path.join(run_dir, f"decode{d}.done") for d in range(scenario.decode_tp)]
+        done = {name: os.path.join(run_dir, f"{name}.done") for name in rank_names(scenario)}
         for name in rank_names(scenario):
             role, rank = _split(name)
             cmd = [
@@ -121,11 +121,12 @@ def run_ranks(
                 "--model-dir", model_dir,
                 "--dist-init", "file://" + os.path.join(run_dir, f"{role}.dist"),
                 "--result", os.path.join(run_dir, f"{name}.json"),
-                "--done-file", done[rank] if role == "decode" else done[0],
+                "--done-file", done[name],
+                "--done-files", os.pathsep.join(done.values()),
                 "--load-plugin", load_plugin,
             ] + options.worker_args()
             if role == "prefill":
-                cmd += ["--peer-result", os.path.join(run_dir, "decode0.json"), "--done-files", os.pathsep.join(done)]
+                cmd += ["--peer-result", os.path.join(run_dir, "decode0.json")]
             else:
                 ready = [os.path.join(run_dir, f"prefill{r}.json") for r in range(scenario.prefill_tp)]
                 cmd += ["--ready-files", os.pathsep.join(ready)]

@@ -375,7 +375,7 @@ def run_scenario(
             f.write(scenario.to_json())
         port = find_free_port()
         env = child_env(scenario, extra_env, options)
-        done_file = os.path.join(run_dir, "decode.done")
+        done_files = {role: os.path.join(run_dir, f"{role}.done") for role in ("prefill", "decode")}
         exe = python or sys.executable
         for role in ("prefill", "decode"):
             cmd = [
@@ -387,7 +387,8 @@ def run_scenario(
                 "--model-dir", model_dir,
                 "--dist-init", "file://" + os.path.join(run_dir, f"{role}.dist"),
                 "--result", os.path.join(run_dir, f"{role}.json"),
-                "--done-file", done_file,
+                "--done-file", done_files[role],
+                "--done-files", os.pathsep.join(done_files.values()),
                 "--load-plugin", load_plugin,
                 "--max-seconds", str(round(timeout_s + 15.0, 1)),
             ] + options.worker_args()

@@ -31,7 +31,7 @@ T_START = time.monotonic()
 
 POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
-PEER_GRACE_S = 2.0
+PEER_GRACE_S = 5.0
 TAMPER_ENV = "SGLANG_HARNESS_TAMPER"
 # Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to
 # log at DEBUG in the children, for chasing a stuck bootstrap.
@@ -544,16 +544,19 @@ class Worker:
             self.result["done"] = True
             self.result["timings"]["total"] = round(_now(), 3)
             self.write_result()
-        if self.role == "decode":
-            _touch(self.args.done_file)
-        else:
-            # Stay up (bootstrap server, status sync) until decode has finished.
-            limit = getattr(getattr(self, "scn", None), "timeouts", None)
-            wait_s = 5.0 if limit is None else limit.request_s + 5.0
-            end = time.monotonic() + wait_s
-            done_files = [self.args.done_file] if not self.args.done_files else self.args.done_files.split(os.pathsep)
-            while time.monotonic() < end and not all(os.path.exists(f) for f in done_files):
-                time.sleep(0.05)
+        _touch(self.args.done_file)
+        # Every rank stays up until every rank is done. Prefill keeps the
+        # bootstrap server and its status sync up for decode. Decode keeps its
+        # engine up for writes still in flight from slower prefill ranks: stock
+        # decode reaches Success on the first aux notification (NIXL
+        # received_aux is one bool), and an agent torn down under another
+        # rank's posted transfer fails that rank with NIXL_ERR_REMOTE_DISCONNECT.
+        limit = getattr(getattr(self, "scn", None), "timeouts", None)
+        wait_s = 5.0 if limit is None else limit.request_s + 5.0
+        end = time.monotonic() + wait_s
+        done_files = self.args.done_files.split(os.pathsep) if self.args.done_files else [self.args.done_file]
+        while time.monotonic() < end and not all(os.path.exists(f) for f in done_files):
+            time.sleep(0.05)
         sys.stdout.flush()
         sys.stderr.flush()
         return 0
@@ -699,13 +702,13 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", required=True)
     p.add_argument("--dist-init", required=True, help="torch.distributed init method (file://...)")
     p.add_argument("--result", required=True)
-    p.add_argument("--done-file", required=True)
+    p.add_argument("--done-file", required=True, help="this rank's done file, touched when its requests are over")
     p.add_argument("--peer-result", default=None, help="prefill: decode's result file (ends hopeless waits early)")
     p.add_argument("--load-plugin", choices=("auto", "yes", "no"), default="auto")
     p.add_argument("--max-seconds", type=float, default=None, help="hard lifetime bound of this process")
     p.add_argument("--tp-rank", type=int, default=0, help="multi-rank scenarios: this process's TP rank")
     p.add_argument("--ready-files", default=None, help="decode: prefill result files to wait for (os.pathsep)")
-    p.add_argument("--done-files", default=None, help="prefill, multi-rank: every decode rank's done file (os.pathsep)")
+    p.add_argument("--done-files", default=None, help="every rank's done file (os.pathsep): stay up until all exist")
     p.add_argument("--protocol", default="tcp", help="engine protocol: tcp or rdma (harness.transport)")
     p.add_argument("--device", default="cpu", help="pool device: cpu, cuda or cuda:N")
     p.add_argument("--ib-device", default=None, help="RDMA device(s) for --protocol rdma")

@@ -1,0 +1,81 @@
+"""A harness worker stays up until every rank of the run is done, and no longer than its bound.
+
+Why: stock decode can reach Success on the first prefill rank's aux notification
+(NIXL ``received_aux`` is one bool) while another prefill rank is still posting
+its last transfer. A decode process that exits at that point destroys its NIXL
+agent under that transfer, and the prefill rank fails with
+NIXL_ERR_REMOTE_DISCONNECT (seen once in CI, P2->D1 on 0.5.12.post1).
+
+The worker here is the real ``sglang_disagg_ext.harness.worker`` process. Its
+scenario file does not exist, so its setup fails before SGLang is imported;
+the teardown path that follows is the one every run takes.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+# With no scenario loaded the worker's wait for the other ranks is bounded by 5 s.
+NO_SCENARIO_BOUND_S = 5.0
+
+
+def start_worker(tmp_path, own, others):
+    cmd = [
+        sys.executable, "-m", "sglang_disagg_ext.harness.worker",
+        "--role", "decode",
+        "--scenario", str(tmp_path / "missing-scenario.json"),
+        "--backend", "nixl",
+        "--bootstrap-port", "1",
+        "--model-dir", str(tmp_path),
+        "--dist-init", "file://" + str(tmp_path / "dist"),
+        "--result", str(tmp_path / "decode.json"),
+        "--done-file", str(own),
+        "--done-files", os.pathsep.join(str(p) for p in [own, *others]),
+        "--max-seconds", "60",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for(predicate, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.timeout(60)
+def test_worker_exits_only_after_every_rank_is_done(tmp_path):
+    own, other = tmp_path / "decode.done", tmp_path / "prefill.done"
+    proc = start_worker(tmp_path, own, [other])
+    try:
+        assert wait_for(own.exists, 30), "the worker never marked itself done"
+        time.sleep(1.0)
+        assert proc.poll() is None, "the worker left while another rank was still running"
+        other.write_text("1")
+        proc.wait(timeout=3)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_worker_leaves_after_its_bound_when_a_rank_never_finishes(tmp_path):
+    own, other = tmp_path / "decode.done", tmp_path / "prefill.done"
+    proc = start_worker(tmp_path, own, [other])
+    try:
+        assert wait_for(own.exists, 30), "the worker never marked itself done"
+        marked = time.monotonic()
+        proc.wait(timeout=NO_SCENARIO_BOUND_S + 10)
+        assert time.monotonic() - marked >= NO_SCENARIO_BOUND_S - 1.0
+        assert not other.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
