@@ -38,6 +38,11 @@ from sglang_disagg_ext.harness.scenario import (
 # handling four registrations and four room messages; 43 runs measured), so
 # 12 s was at the edge as well.
 TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=20.0, sglang_bootstrap_s=20.0)
+# Five processes (P1->D4) on two cores: in one CI run two decode ranks came out
+# of their rank barrier 12-15 s after the others (frozen processes), and the
+# prefill's writes then took 15.7 s: 30.7 s from the first rank's send to
+# prefill Success, past 20 s.
+FIVE_RANK_TIMEOUTS = Timeouts(request_s=100.0, startup_s=150.0, sglang_waiting_s=45.0, sglang_bootstrap_s=45.0)
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 
 
@@ -49,7 +54,7 @@ def tp_scenario(prefill_tp: int, decode_tp: int, heads: int, chunks: int = 2) ->
         kv=KVPoolSpec(num_pages=9, head_num=heads, head_dim=HEAD_DIM),
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        timeouts=TIMEOUTS,
+        timeouts=FIVE_RANK_TIMEOUTS if prefill_tp + decode_tp >= 5 else TIMEOUTS,
     )
 
 

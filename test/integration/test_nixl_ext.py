@@ -137,7 +137,7 @@ def _nixl_failed_before_any_transfer(result) -> bool:
     )
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_gqa_replicas_over_decode_tp4_land_on_the_ranks_that_hold_them():
     """2 KV heads, prefill TP 1 -> decode TP 4 (5 processes), stock vs ext.
 
