@@ -22,6 +22,7 @@ host-memory scenario runs stock without it.
 
 import functools
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ import pytest
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.harness import patterns
-from sglang_disagg_ext.harness.run import run_scenario
+from sglang_disagg_ext.harness.run import RequestResult, ScenarioResult, run_scenario
 from sglang_disagg_ext.scenarios_nixl import TIMEOUTS, by_name, stock_slice_uses_total_heads
 
 pytestmark = [
@@ -137,6 +138,62 @@ def _nixl_failed_before_any_transfer(result) -> bool:
     )
 
 
+def _starved_without_error(result) -> bool:
+    """A rank ran out of time with no error anywhere: five engine processes on two cores, not the code under test.
+
+    Seen in CI: a decode rank got no notification in 45 s while the prefill sat
+    in WaitingForInput (patched 0.5.11), and two decode ranks frozen for
+    12-15 s (0.5.12.post1). The head-slice bugs under test never end this way:
+    stock 0.5.11 / 0.5.12.x write the wrong head and report Success, and
+    0.5.10.post1 raises ZeroDivisionError (an error, so no re-run).
+    """
+    r = result.requests[0] if result.requests else None
+    if r is None or result.error or r.error or r.thread_errors:
+        return False
+    statuses = list(r.rank_status.values())
+    timed_out = "timed out" in (r.decode_failure_reason or "")
+    return any(s != "Success" for s in statuses) and (timed_out or any(s not in ("Success", "Failed") for s in statuses))
+
+
+def _p1d4_result(rank_status, decode_reason=None, error=None):
+    req = RequestResult(0, 1000, decode_failure_reason=decode_reason, error=error, rank_status=rank_status)
+    return ScenarioResult("tp1->tp4 2 kv heads", "nixl", requests=[req])
+
+
+@pytest.mark.timeout(10)
+def test_only_errorless_timeouts_count_as_starved():
+    """The re-run rule, on the shapes seen in CI and the shapes of the bugs under test (hand-written results)."""
+    ok = "Success"
+    timed_out = "decode1: Request 1000 timed out after 45.0s in KVPoll.WaitingForInput"
+    # Patched 0.5.11 in CI: prefill still WaitingForInput, decode rank 1 timed out.
+    assert _starved_without_error(
+        _p1d4_result({"prefill0": "WaitingForInput", "decode0": ok, "decode1": "Failed", "decode2": ok, "decode3": ok}, timed_out)
+    )
+    # 0.5.12.post1 in CI: prefill Success late, decode ranks 0 and 2 timed out.
+    assert _starved_without_error(
+        _p1d4_result({"prefill0": ok, "decode0": "Failed", "decode1": ok, "decode2": "Failed", "decode3": ok}, timed_out)
+    )
+    # Stock 0.5.11 / 0.5.12.x: wrong head everywhere it matters, but Success on every rank.
+    assert not _starved_without_error(_p1d4_result({r: ok for r in ("prefill0", "decode0", "decode1", "decode2", "decode3")}))
+    # Stock 0.5.10.post1: ZeroDivisionError on prefill, every decode rank times out.
+    assert not _starved_without_error(
+        _p1d4_result(
+            {"prefill0": "Transferring", "decode0": "Failed", "decode1": "Failed", "decode2": "Failed", "decode3": "Failed"},
+            timed_out,
+            error="ZeroDivisionError: integer division or modulo by zero",
+        )
+    )
+
+
+def run_five_ranks(name: str, which: str):
+    """Run P1->D4 once more when the first run failed for the environment; say so in the warnings summary."""
+    result = run(name, which)
+    if _nixl_failed_before_any_transfer(result) or _starved_without_error(result):
+        warnings.warn(f"P1->D4 {which}: first run failed for the environment, running it once more:\n{result.describe()[:3000]}")
+        result = run(name, which)
+    return result
+
+
 @pytest.mark.timeout(900)
 def test_gqa_replicas_over_decode_tp4_land_on_the_ranks_that_hold_them():
     """2 KV heads, prefill TP 1 -> decode TP 4 (5 processes), stock vs ext.
@@ -159,23 +216,17 @@ def test_gqa_replicas_over_decode_tp4_land_on_the_ranks_that_hold_them():
     head it holds; the harness checks every element on every decode rank.
     """
     builtin = by_name("kv tp1->tp4 h2")
-    ext = run(builtin.name, "ext")
+    ext = run_five_ranks(builtin.name, "ext")
     assert_ext_ok(ext)
     assert len(ext.requests[0].rank_status) == 5
 
-    stock = run(builtin.name, "stock")
+    stock = run_five_ranks(builtin.name, "stock")
     if "F4" in POLICY.patched:
         # Sources carrying patches/<release>/: stock has the replica map fixed.
         assert builtin.stock_expectation(POLICY) == "pass"
         assert stock.ok, stock.describe()
         return
     assert builtin.stock_expectation(POLICY) == "fail"  # F4 live on every active release
-    if _nixl_failed_before_any_transfer(stock):
-        # Seen once in six stock runs of this 5-process scenario on a loaded
-        # 2-core runner: NIXL's add_remote_agent raised NIXL_ERR_BACKEND in the
-        # prefill's bootstrap thread, so no slice was ever computed. That says
-        # nothing about the head mapping under test: run stock once more.
-        stock = run_scenario(builtin.build(), "nixl", extra_env=builtin.stock_env())
     assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
     assert not stock.ok, stock.describe()
     r = stock.requests[0]
