@@ -22,21 +22,34 @@ import pytest
 NO_SCENARIO_BOUND_S = 5.0
 
 
-def start_worker(tmp_path, own, others):
-    cmd = [
-        sys.executable, "-m", "sglang_disagg_ext.harness.worker",
-        "--role", "decode",
-        "--scenario", str(tmp_path / "missing-scenario.json"),
-        "--backend", "nixl",
-        "--bootstrap-port", "1",
-        "--model-dir", str(tmp_path),
-        "--dist-init", "file://" + str(tmp_path / "dist"),
-        "--result", str(tmp_path / "decode.json"),
-        "--done-file", str(own),
-        "--done-files", os.pathsep.join(str(p) for p in [own, *others]),
-        "--max-seconds", "60",
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+@pytest.fixture
+def worker(tmp_path):
+    """Start the real worker as a decode rank whose peers are ``others``; stopped by its PID afterwards."""
+    procs = []
+
+    def start(own, others):
+        cmd = [
+            sys.executable, "-m", "sglang_disagg_ext.harness.worker",
+            "--role", "decode",
+            "--scenario", str(tmp_path / "missing-scenario.json"),
+            "--backend", "nixl",
+            "--bootstrap-port", "1",
+            "--model-dir", str(tmp_path),
+            "--dist-init", "file://" + str(tmp_path / "dist"),
+            "--result", str(tmp_path / "decode.json"),
+            "--done-file", str(own),
+            "--done-files", os.pathsep.join(str(p) for p in [own, *others]),
+            "--max-seconds", "60",
+        ]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        assert wait_for(own.exists, 30), "the worker never marked itself done"
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def wait_for(predicate, seconds):
@@ -49,33 +62,21 @@ def wait_for(predicate, seconds):
 
 
 @pytest.mark.timeout(60)
-def test_worker_exits_only_after_every_rank_is_done(tmp_path):
+def test_worker_exits_only_after_every_rank_is_done(tmp_path, worker):
     own, other = tmp_path / "decode.done", tmp_path / "prefill.done"
-    proc = start_worker(tmp_path, own, [other])
-    try:
-        assert wait_for(own.exists, 30), "the worker never marked itself done"
-        time.sleep(1.0)
-        assert proc.poll() is None, "the worker left while another rank was still running"
-        other.write_text("1")
-        proc.wait(timeout=3)
-        assert proc.returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+    proc = worker(own, [other])
+    time.sleep(1.0)
+    assert proc.poll() is None, "the worker left while another rank was still running"
+    other.write_text("1")
+    proc.wait(timeout=3)
+    assert proc.returncode == 0
 
 
 @pytest.mark.timeout(60)
-def test_worker_leaves_after_its_bound_when_a_rank_never_finishes(tmp_path):
+def test_worker_leaves_after_its_bound_when_a_rank_never_finishes(tmp_path, worker):
     own, other = tmp_path / "decode.done", tmp_path / "prefill.done"
-    proc = start_worker(tmp_path, own, [other])
-    try:
-        assert wait_for(own.exists, 30), "the worker never marked itself done"
-        marked = time.monotonic()
-        proc.wait(timeout=NO_SCENARIO_BOUND_S + 10)
-        assert time.monotonic() - marked >= NO_SCENARIO_BOUND_S - 1.0
-        assert not other.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+    proc = worker(own, [other])
+    marked = time.monotonic()
+    proc.wait(timeout=NO_SCENARIO_BOUND_S + 10)
+    assert time.monotonic() - marked >= NO_SCENARIO_BOUND_S - 1.0
+    assert not other.exists()
