@@ -18,7 +18,7 @@ PATCHED := .patched-$(SGLANG)
 PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nixl_ext.py \
 	test/integration/test_retract_f5.py test/integration/test_mori_ext.py
 
-.PHONY: setup test test-all demo bench doctor clean check-patches test-patched
+.PHONY: setup test test-all demo bench doctor clean clean-release check-patches test-patched ci-release print-matrix
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -64,3 +64,24 @@ bench: setup
 
 clean:
 	rm -rf .venv .venv-* .patched-*
+
+# One release's venv and patched copy; CI frees each release's ~3 GB before the next.
+clean-release:
+	rm -rf $(VENV) $(PATCHED)
+
+print-matrix:
+	@echo $(MATRIX)
+
+# Every CI stage for one release, then its disk is freed: the tests, and where
+# patches/<release>/ exists, the patch check and the patched-stock tests.
+# At most one venv exists at a time (four side by side filled a CI disk).
+# Every stage runs; the exit status says whether any failed.
+ci-release:
+	@failed=""; \
+	$(MAKE) --no-print-directory test || failed="$$failed test"; \
+	if [ -d patches/$(SGLANG) ]; then \
+	  $(MAKE) --no-print-directory check-patches PATCH_RELEASES=$(SGLANG) || failed="$$failed check-patches"; \
+	  $(MAKE) --no-print-directory test-patched || failed="$$failed test-patched"; \
+	fi; \
+	$(MAKE) --no-print-directory clean-release; \
+	if [ -n "$$failed" ]; then echo "ci-release $(SGLANG): failed:$$failed"; exit 1; fi

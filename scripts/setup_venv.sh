@@ -38,7 +38,7 @@ py=${PYTHON:-python3}
 # The marker file is written last: a half-built venv has none and is rebuilt.
 rm -rf "$venv"
 "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
 
 # CPU torch first, so nothing later pulls a CUDA build.
 "${pip[@]}" "torch==2.13.0"
