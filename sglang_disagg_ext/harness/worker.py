@@ -168,13 +168,22 @@ class Worker:
         if "mooncake-transfer-engine" in self.result["shared_engines"]:
             self.result["engine"] = ss.mooncake_engine_report(sa, self.opts.protocol)
         elif sa.disaggregation_transfer_backend == "nixl":
+            from sglang_disagg_ext.harness import nixl_pacing
+
+            # Before the manager makes its agent: NIXL's progress thread
+            # otherwise spins a whole core per process (nixl_pacing).
+            delay_us = nixl_pacing.delay_from_env()
+            not_paced = nixl_pacing.pace_progress_thread(delay_us)
             # UCX picks its transport from UCX_TLS (transport.ucx_tls); this is
             # the configuration the agent is created under.
             self.result["engine"] = {
                 "engine": "nixl",
                 "ucx_tls": os.environ.get("UCX_TLS"),
                 "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+                "progress_thread_delay_us": 0 if not_paced else delay_us,
             }
+            if not_paced:
+                self.result["engine"]["progress_thread_not_paced"] = not_paced
         else:
             self.result["engine"] = {"engine": sa.disaggregation_transfer_backend}
         self.mark("runtime")
