@@ -31,13 +31,9 @@ def delay_from_env(environ=os.environ) -> int:
     raw = environ.get(DELAY_ENV, "").strip()
     if not raw:
         return DEFAULT_DELAY_US
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{DELAY_ENV}={raw!r}: expected microseconds as a whole number >= 0") from None
-    if value < 0:
+    if not raw.isdecimal():
         raise ValueError(f"{DELAY_ENV}={raw!r}: expected microseconds as a whole number >= 0")
-    return value
+    return int(raw)
 
 
 class _BindingWithConfig:
@@ -73,14 +69,9 @@ def pace_progress_thread(delay_us: int) -> Optional[str]:
     if field is None or not hasattr(field, "__set__"):
         return f"{getattr(module, '__name__', module)}: nixlAgentConfig has no settable pthrDelay"
 
-    def set_delay(config, value):
+    class PacedNixlAgentConfig(base):
         # nixl_agent writes 0 ("spin"); any other value was asked for on purpose.
-        field.__set__(config, delay_us if value == 0 else value)
+        pthrDelay = property(field.__get__, lambda config, value: field.__set__(config, value or delay_us))
 
-    paced = type(
-        "PacedNixlAgentConfig",
-        (base,),
-        {"pthrDelay": property(field.__get__, set_delay), "__doc__": f"pthrDelay {delay_us} us (harness)"},
-    )
-    module.nixlBind = _BindingWithConfig(binding, paced)
+    module.nixlBind = _BindingWithConfig(binding, PacedNixlAgentConfig)
     return None
