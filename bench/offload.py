@@ -32,9 +32,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sglang_disagg_ext import retract
+from sglang_disagg_ext.backends import retract
 from sglang_disagg_ext.core.page_chunks import page_chunk_rows, peak_chunk_bytes
-from sglang_disagg_ext.selftest_f5 import PAGE_SIZE, build_nsa_pool
+from sglang_disagg_ext.selftest.scenarios.f5 import PAGE_SIZE, build_nsa_pool
 
 
 def _sync(device):

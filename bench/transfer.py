@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional
 
 from bench import shapes
 from bench.stats import interleaved_order, median, paired_ratios
-from sglang_disagg_ext.harness.run import _Child, child_env, find_free_port
-from sglang_disagg_ext.harness.scenario import KVPoolSpec, Scenario, StatePoolSpec, Timeouts
+from sglang_disagg_ext.selftest.harness.run import _Child, child_env, find_free_port
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, Scenario, StatePoolSpec, Timeouts
 
 REPLY_TIMEOUT_S = 120.0
 MC_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
@@ -89,7 +89,7 @@ class TransferBench:
         self.close()
 
     def _start(self) -> None:
-        from sglang_disagg_ext.harness.sglang_setup import model_config_json
+        from sglang_disagg_ext.selftest.harness.sglang_setup import model_config_json
 
         self.run_dir = tempfile.mkdtemp(prefix="bench-transfer-")
         model_dir = os.path.join(self.run_dir, "model")

@@ -69,8 +69,8 @@ class Worker:
         from bench.shapes import state_components
         from sglang_disagg_ext import releases
         from sglang_disagg_ext.backends.mooncake import ext_classes
-        from sglang_disagg_ext.harness import sglang_setup as ss
-        from sglang_disagg_ext.harness.scenario import Scenario
+        from sglang_disagg_ext.selftest.harness import sglang_setup as ss
+        from sglang_disagg_ext.selftest.harness.scenario import Scenario
 
         self.ss = ss
         with open(self.args.scenario) as f:
@@ -126,8 +126,8 @@ class Worker:
     def _build_pools(self, side: Side, dtype):
         import torch
 
-        from sglang_disagg_ext.harness import patterns
-        from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
+        from sglang_disagg_ext.selftest.harness import patterns
+        from sglang_disagg_ext.selftest.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
 
         ss, scn = self.ss, self.scn
         side.kv_pool = ss.make_mha_pool(scn.kv.num_pages, scn.page_size, dtype, scn.kv.head_num,
@@ -254,8 +254,8 @@ class Worker:
         """Every transferred page equals the prefill pattern of its source page."""
         import numpy as np
 
-        from sglang_disagg_ext.harness import patterns
-        from sglang_disagg_ext.harness.scenario import KV_POOL_ID, STATE_POOL_BASE
+        from sglang_disagg_ext.selftest.harness import patterns
+        from sglang_disagg_ext.selftest.harness.scenario import KV_POOL_ID, STATE_POOL_BASE
 
         out = []
         pairs = {KV_POOL_ID: (sum(pages["src_kv"], []), sum(pages["dst_kv"], []))}
@@ -433,7 +433,7 @@ def main(argv=None) -> None:
     p.add_argument("--control", required=True, help="HOST:PORT of the parent's listener")
     p.add_argument("--max-seconds", type=float, default=None)
     args = p.parse_args(argv)
-    from sglang_disagg_ext.harness.worker import _start_watchdog
+    from sglang_disagg_ext.selftest.harness.worker import _start_watchdog
 
     _start_watchdog(args.max_seconds)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

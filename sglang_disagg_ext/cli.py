@@ -23,7 +23,7 @@ def _doctor(args) -> int:
 
 
 def _selftest(args) -> int:
-    from sglang_disagg_ext import selftest
+    from sglang_disagg_ext.selftest import runner as selftest
 
     return selftest.main(args)
 

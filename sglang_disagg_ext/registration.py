@@ -152,7 +152,7 @@ def activate(ext_name: str) -> None:
             setattr(package, attr, cls)
             routed.append(attr)
         if policy.is_live("F5"):
-            from sglang_disagg_ext.retract import install_retract_fixes
+            from sglang_disagg_ext.backends.retract import install_retract_fixes
 
             install_retract_fixes()
             routed.append("retract/resume (F5)")
@@ -184,7 +184,7 @@ def deactivate() -> None:
     for (package_name, attr), original in list(_replaced.items()):
         setattr(importlib.import_module(package_name), attr, original)
     _replaced.clear()
-    from sglang_disagg_ext.retract import uninstall_retract_fixes
+    from sglang_disagg_ext.backends.retract import uninstall_retract_fixes
 
     uninstall_retract_fixes()
     _active_backend = None

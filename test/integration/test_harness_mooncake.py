@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness import (
+from sglang_disagg_ext.selftest.harness import (
     KVPoolSpec,
     RequestSpec,
     Scenario,
@@ -19,7 +19,7 @@ from sglang_disagg_ext.harness import (
     StateSpec,
     run_scenario,
 )
-from sglang_disagg_ext.harness import scenario as scenarios
+from sglang_disagg_ext.selftest.harness import scenario as scenarios
 
 pytestmark = [
     pytest.mark.engine,

@@ -13,8 +13,8 @@ fail and ext must pass; where the release has the fix, both must pass.
 import pytest
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness.run import run_scenario
-from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +56,7 @@ def test_ext_name_on_this_release_transfers_state():
     Active releases: the plugin's manager. Pass-through releases (0.5.13+): the
     stock manager, reached through the -ext name, with the same result as stock.
     """
-    from sglang_disagg_ext.harness.scenario import with_state
+    from sglang_disagg_ext.selftest.harness.scenario import with_state
 
     result = run_scenario(with_state("ext name smoke", "swa", [1, 2, 3, 4, 5], [6, 7, 8]), "mooncake-ext")
     assert result.ok, result.describe()
@@ -67,7 +67,7 @@ def test_ext_name_on_this_release_transfers_state():
 @pytest.mark.timeout(400)
 def test_ext_serves_many_requests_with_mixed_lengths():
     """Several requests in a row on one manager pair, lengths in both directions."""
-    from sglang_disagg_ext.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec
+    from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec
 
     kind = "swa"
     requests = [

@@ -33,9 +33,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sglang_disagg_ext import releases, selftest_mori
-from sglang_disagg_ext.harness import patterns
-from sglang_disagg_ext.harness.scenario import STATE_POOL_BASE
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.scenarios import mori as selftest_mori
+from sglang_disagg_ext.selftest.harness import patterns
+from sglang_disagg_ext.selftest.harness.scenario import STATE_POOL_BASE
 
 POLICY = releases.current_policy()
 F3 = POLICY.fixes.get("F3")

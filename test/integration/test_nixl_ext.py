@@ -29,9 +29,9 @@ import pytest
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
-from sglang_disagg_ext.harness import patterns
-from sglang_disagg_ext.harness.run import RequestResult, ScenarioResult, run_scenario
-from sglang_disagg_ext.scenarios_nixl import TIMEOUTS, by_name, stock_slice_uses_total_heads
+from sglang_disagg_ext.selftest.harness import patterns
+from sglang_disagg_ext.selftest.harness.run import RequestResult, ScenarioResult, run_scenario
+from sglang_disagg_ext.selftest.scenarios.nixl import TIMEOUTS, by_name, stock_slice_uses_total_heads
 
 pytestmark = [
     pytest.mark.engine,

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from sglang_disagg_ext.doctor import engine_importable
-from sglang_disagg_ext.harness import nixl_pacing
+from sglang_disagg_ext.selftest.harness import nixl_pacing
 
 pytestmark = pytest.mark.skipif(not engine_importable("nixl"), reason="NIXL is not installed")
 
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     r"""
     import json, os, sys, time, uuid
     import torch
-    from sglang_disagg_ext.harness import nixl_pacing
+    from sglang_disagg_ext.selftest.harness import nixl_pacing
 
     out = {"first": nixl_pacing.pace_progress_thread(100), "again": nixl_pacing.pace_progress_thread(100)}
     from nixl._api import nixl_agent, nixl_agent_config

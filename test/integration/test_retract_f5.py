@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 
 from sglang_disagg_ext import releases  # noqa: E402
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, n_pages, page_chunk_rows  # noqa: E402
-from sglang_disagg_ext import retract  # noqa: E402
-from sglang_disagg_ext import selftest_f5 as f5  # noqa: E402
+from sglang_disagg_ext.backends import retract  # noqa: E402
+from sglang_disagg_ext.selftest.scenarios import f5  # noqa: E402
 
 POLICY = releases.current_policy()
 LIVE = POLICY.is_live("F5")

@@ -26,8 +26,8 @@ import sys
 import pytest
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness import run_scenario
-from sglang_disagg_ext.harness import scenario as scenarios
+from sglang_disagg_ext.selftest.harness import run_scenario
+from sglang_disagg_ext.selftest.harness import scenario as scenarios
 
 HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 NO_MOONCAKE = "Mooncake transfer engine not installed"
@@ -57,7 +57,7 @@ def _cli(*args, timeout):
 
 
 def _first_mooncake_scenario() -> str:
-    from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+    from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 
     return scenarios_for(releases.current_policy())[0].name
 

@@ -9,8 +9,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from sglang_disagg_ext.harness import patterns
-from sglang_disagg_ext.harness.scenario import (
+from sglang_disagg_ext.selftest.harness import patterns
+from sglang_disagg_ext.selftest.harness.scenario import (
     AUX_POOL_ID,
     KV_POOL_ID,
     STATE_POOL_BASE,

@@ -7,7 +7,7 @@ Head placement is SGLang's QKV sharding: H >= TP: rank r holds heads
 import numpy as np
 import pytest
 
-from sglang_disagg_ext.harness import patterns
+from sglang_disagg_ext.selftest.harness import patterns
 
 RANK_HEADS = [
     # H, TP, {rank: heads}

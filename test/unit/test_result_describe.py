@@ -7,7 +7,7 @@ are written out by hand.
 
 import pytest
 
-from sglang_disagg_ext.harness.run import RequestResult, ScenarioResult
+from sglang_disagg_ext.selftest.harness.run import RequestResult, ScenarioResult
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ code under test.
 import numpy as np
 import pytest
 
-from sglang_disagg_ext.harness import patterns
-from sglang_disagg_ext.harness.transport import (
+from sglang_disagg_ext.selftest.harness import patterns
+from sglang_disagg_ext.selftest.harness.transport import (
     TransferOptions,
     TransportOptionError,
     engine_env,
@@ -20,7 +20,7 @@ from sglang_disagg_ext.harness.transport import (
     ucx_net_devices,
     ucx_tls,
 )
-from sglang_disagg_ext.selftest import NON_CUDA_MOONCAKE, cuda_problem
+from sglang_disagg_ext.selftest.runner import NON_CUDA_MOONCAKE, cuda_problem
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ its last transfer. A decode process that exits at that point destroys its NIXL
 agent under that transfer, and the prefill rank fails with
 NIXL_ERR_REMOTE_DISCONNECT (seen once in CI, P2->D1 on 0.5.12.post1).
 
-The worker here is the real ``sglang_disagg_ext.harness.worker`` process. Its
+The worker here is the real ``sglang_disagg_ext.selftest.harness.worker`` process. Its
 scenario file does not exist, so its setup fails before SGLang is imported;
 the teardown path that follows is the one every run takes.
 """
@@ -29,7 +29,7 @@ def worker(tmp_path):
 
     def start(own, others):
         cmd = [
-            sys.executable, "-m", "sglang_disagg_ext.harness.worker",
+            sys.executable, "-m", "sglang_disagg_ext.selftest.harness.worker",
             "--role", "decode",
             "--scenario", str(tmp_path / "missing-scenario.json"),
             "--backend", "nixl",

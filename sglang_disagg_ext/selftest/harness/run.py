@@ -1,10 +1,10 @@
 """Parent side of the transfer harness: start one prefill and one decode child.
 
-    from sglang_disagg_ext.harness import run_scenario, scenario
+    from sglang_disagg_ext.selftest.harness import run_scenario, scenario
     res = run_scenario(scenario.kv_only(), "mooncake")
     assert res.ok, res.describe()
 
-The children are ``python -m sglang_disagg_ext.harness.worker`` processes, each
+The children are ``python -m sglang_disagg_ext.selftest.harness.worker`` processes, each
 in its own session/process group, running against the SGLang installed in the
 interpreter given (``sys.executable`` by default). Every wait is bounded; on
 every exit path the parent kills exactly the processes it started (their
@@ -219,7 +219,10 @@ def find_free_port(rng: Optional[random.Random] = None, attempts: int = 200) -> 
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """The folder that holds the ``sglang_disagg_ext`` package (a checkout or site-packages)."""
+    import sglang_disagg_ext
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(sglang_disagg_ext.__file__)))
 
 
 def child_env(
@@ -379,7 +382,7 @@ def run_scenario(
         exe = python or sys.executable
         for role in ("prefill", "decode"):
             cmd = [
-                exe, "-m", "sglang_disagg_ext.harness.worker",
+                exe, "-m", "sglang_disagg_ext.selftest.harness.worker",
                 "--role", role,
                 "--scenario", scn_path,
                 "--backend", decode_backend if role == "decode" and decode_backend else backend,

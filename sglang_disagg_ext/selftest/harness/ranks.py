@@ -112,7 +112,7 @@ def run_ranks(
         for name in rank_names(scenario):
             role, rank = _split(name)
             cmd = [
-                exe, "-m", "sglang_disagg_ext.harness.worker",
+                exe, "-m", "sglang_disagg_ext.selftest.harness.worker",
                 "--role", role,
                 "--tp-rank", str(rank),
                 "--scenario", scn_path,

@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.retract import retract_fixes, stock_callable
+from sglang_disagg_ext.backends.retract import retract_fixes, stock_callable
 
 PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
 

@@ -35,7 +35,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness.scenario import (
+from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
     RequestSpec,
     Scenario,
@@ -60,7 +60,10 @@ REAL_ENGINE_NOTE = "real AMD MoRI engine (mori.io imported from the installed pa
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The folder that holds the ``sglang_disagg_ext`` package (a checkout or site-packages)."""
+    import sglang_disagg_ext
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(sglang_disagg_ext.__file__)))
 
 
 def standin_dir() -> Optional[str]:
@@ -165,7 +168,7 @@ def run(scenario: Scenario, backend: str, decode_backend: Optional[str] = None, 
     MoRI has no protocol choice (SGLang configures its RDMA backend):
     ``protocol`` only travels along for the record.
     """
-    from sglang_disagg_ext.harness.run import run_scenario
+    from sglang_disagg_ext.selftest.harness.run import run_scenario
 
     extra = None if real_engine else standin_env()
     return run_scenario(
@@ -247,7 +250,7 @@ def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, opti
     makes its rows "n/a" with the reason; the real engine gets the device and
     IB device. ``names`` limits the rows.
     """
-    from sglang_disagg_ext.harness.transport import TransferOptions
+    from sglang_disagg_ext.selftest.harness.transport import TransferOptions
 
     options = (options or TransferOptions()).validated()
     if real_engine is None:

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Callable, List
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness.scenario import (
+from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
     RequestSpec,
     Scenario,

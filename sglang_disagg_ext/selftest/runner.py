@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
-from sglang_disagg_ext.harness.transport import TransferOptions, TransportOptionError
+from sglang_disagg_ext.selftest.harness.transport import TransferOptions, TransportOptionError
 
 # Worker errors after which every further run of this selftest would fail the
 # same way (the engine or the device cannot start here): later scenarios are
@@ -83,8 +83,8 @@ def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
 
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
                   names: Optional[List[str]] = None) -> List[Dict]:
-    from sglang_disagg_ext.harness.run import run_scenario
-    from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+    from sglang_disagg_ext.selftest.harness.run import run_scenario
+    from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 
     transfer = dataclasses.asdict(options or TransferOptions())
     rows = []
@@ -122,9 +122,9 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
 
 # backend -> (module, function) providing that backend's rows.
 _ROW_SOURCES = {
-    "mooncake": ("sglang_disagg_ext.selftest", "mooncake_rows"),
-    "nixl": ("sglang_disagg_ext.selftest_nixl", "nixl_rows"),
-    "mori": ("sglang_disagg_ext.selftest_mori", "mori_rows"),
+    "mooncake": ("sglang_disagg_ext.selftest.runner", "mooncake_rows"),
+    "nixl": ("sglang_disagg_ext.selftest.scenarios.nixl_rows", "nixl_rows"),
+    "mori": ("sglang_disagg_ext.selftest.scenarios.mori", "mori_rows"),
 }
 
 
@@ -143,7 +143,7 @@ def collect_rows(backends: List[str], timeout_s: float, options: Optional[Transf
             rows.extend(func(timeout_s=timeout_s, names=names, options=options))
         else:
             rows.extend(func(options=options, names=names))
-    from sglang_disagg_ext.selftest_f5 import f5_row_names, f5_rows
+    from sglang_disagg_ext.selftest.scenarios.f5 import f5_row_names, f5_rows
 
     # F5 rows run in this process on pools of ``device``; they move no bytes
     # between processes, so the protocol does not apply to them.
@@ -155,20 +155,20 @@ def collect_rows(backends: List[str], timeout_s: float, options: Optional[Transf
 
 def scenario_names(backends: List[str]) -> List[str]:
     """Every row name ``collect_rows`` can produce for ``backends`` on this release (runs nothing)."""
-    from sglang_disagg_ext.selftest_f5 import f5_row_names
+    from sglang_disagg_ext.selftest.scenarios.f5 import f5_row_names
 
     policy = releases.current_policy()
     names: List[str] = []
     if "mooncake" in backends:
-        from sglang_disagg_ext.scenarios_mooncake import scenarios_for
+        from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 
         names += [b.name for b in scenarios_for(policy)]
     if "nixl" in backends:
-        from sglang_disagg_ext.scenarios_nixl import builtin_scenarios
+        from sglang_disagg_ext.selftest.scenarios.nixl import builtin_scenarios
 
         names += [b.name for b in builtin_scenarios()]
     if "mori" in backends:
-        from sglang_disagg_ext.selftest_mori import ROW_NAMES
+        from sglang_disagg_ext.selftest.scenarios.mori import ROW_NAMES
 
         names += list(ROW_NAMES)
     return names + f5_row_names()

@@ -1,6 +1,6 @@
 """Child-process entry of the transfer harness: one prefill or one decode side.
 
-    python -m sglang_disagg_ext.harness.worker --role prefill|decode \
+    python -m sglang_disagg_ext.selftest.harness.worker --role prefill|decode \
         --scenario S.json --backend NAME --bootstrap-port P --model-dir D \
         --dist-init file:///... --result R.json --done-file F [--load-plugin auto|yes|no]
 
@@ -112,7 +112,7 @@ class Worker:
 
     # -- setup ---------------------------------------------------------------
     def setup(self) -> None:
-        from sglang_disagg_ext.harness.scenario import Scenario
+        from sglang_disagg_ext.selftest.harness.scenario import Scenario
 
         with open(self.args.scenario) as f:
             self.scn = Scenario.from_json(f.read())
@@ -121,8 +121,8 @@ class Worker:
 
         import torch
 
-        from sglang_disagg_ext.harness import sglang_setup as ss
-        from sglang_disagg_ext.harness.transport import TransferOptions
+        from sglang_disagg_ext.selftest.harness import sglang_setup as ss
+        from sglang_disagg_ext.selftest.harness.transport import TransferOptions
 
         self.ss = ss
         self.mark("imported_torch")
@@ -132,7 +132,7 @@ class Worker:
             _check_cuda(torch, self.opts.device)
         self.result["plugin_loader"] = ss.load_plugin(self.args.load_plugin, self.args.backend)
         self.result["sglang_version"] = ss.sglang_version()
-        from sglang_disagg_ext.harness import nixl_shim
+        from sglang_disagg_ext.selftest.harness import nixl_shim
 
         if nixl_shim.wanted():
             if self.opts.device_type == "cpu":
@@ -151,7 +151,7 @@ class Worker:
             if not self.opts.ib_device:
                 raise
             # SGLang checks --disaggregation-ib-device against sysfs in ServerArgs.
-            from sglang_disagg_ext.harness.transport import rdma_init_failure
+            from sglang_disagg_ext.selftest.harness.transport import rdma_init_failure
 
             why = f"SGLang's ServerArgs refused the IB device: {type(exc).__name__}: {exc}"
             raise RuntimeError(rdma_init_failure("ServerArgs", self.opts.ib_device, why)) from exc
@@ -168,7 +168,7 @@ class Worker:
         if "mooncake-transfer-engine" in self.result["shared_engines"]:
             self.result["engine"] = ss.mooncake_engine_report(sa, self.opts.protocol)
         elif sa.disaggregation_transfer_backend == "nixl":
-            from sglang_disagg_ext.harness import nixl_pacing
+            from sglang_disagg_ext.selftest.harness import nixl_pacing
 
             # Before the manager makes its agent: NIXL's progress thread
             # otherwise spins a whole core per process (nixl_pacing).
@@ -216,7 +216,7 @@ class Worker:
         except Exception as exc:
             if self.opts.protocol != "rdma" or sa.disaggregation_transfer_backend != "nixl":
                 raise
-            from sglang_disagg_ext.harness.transport import rdma_init_failure
+            from sglang_disagg_ext.selftest.harness.transport import rdma_init_failure
 
             why = f"UCX_TLS={os.environ.get('UCX_TLS')}: {type(exc).__name__}: {exc}"
             raise RuntimeError(rdma_init_failure("NIXL UCX backend", self.opts.ib_device, why)) from exc
@@ -245,8 +245,8 @@ class Worker:
         """KV pool, aux buffers, state components; fill patterns (prefill) or sentinel (decode)."""
         import torch
 
-        from sglang_disagg_ext.harness import patterns
-        from sglang_disagg_ext.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
+        from sglang_disagg_ext.selftest.harness import patterns
+        from sglang_disagg_ext.selftest.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
 
         ss, scn = self.ss, self.scn
         device = self.opts.device
@@ -486,7 +486,7 @@ class Worker:
         raise ValueError(f"{TAMPER_ENV}={spec!r}: no pool named {name!r}")
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:
-        from sglang_disagg_ext.harness import patterns
+        from sglang_disagg_ext.selftest.harness import patterns
 
         expected = patterns.expected_after_request(self.scn, index)
         mismatches: List[str] = []

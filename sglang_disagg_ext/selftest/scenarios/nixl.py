@@ -19,8 +19,8 @@ import itertools
 from typing import Callable, Dict, List, Optional
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.harness import nixl_shim
-from sglang_disagg_ext.harness.scenario import (
+from sglang_disagg_ext.selftest.harness import nixl_shim
+from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
     RequestSpec,
     Scenario,

@@ -44,8 +44,8 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
     """
     import dataclasses
 
-    from sglang_disagg_ext.harness.transport import TransferOptions
-    from sglang_disagg_ext.selftest import engine_start_failure, observed
+    from sglang_disagg_ext.selftest.harness.transport import TransferOptions
+    from sglang_disagg_ext.selftest.runner import engine_start_failure, observed
 
     transfer = dataclasses.asdict((options or TransferOptions()).validated())
     policy = releases.current_policy()
@@ -60,8 +60,8 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
                 note=f"SGLang {policy.version}: {policy.support.value}",
             )
         ]
-    from sglang_disagg_ext.harness.run import run_scenario
-    from sglang_disagg_ext.scenarios_nixl import builtin_scenarios
+    from sglang_disagg_ext.selftest.harness.run import run_scenario
+    from sglang_disagg_ext.selftest.scenarios.nixl import builtin_scenarios
 
     rows = []
     start_failure = None
