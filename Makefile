@@ -25,6 +25,8 @@ $(VENV)/.sglang-release: scripts/setup_venv.sh requirements/*.txt pyproject.toml
 
 setup: $(VENV)/.sglang-release
 
+# SGLANG_DISAGG_EXT_REQUIRE_ALL=1 (set by .ci/run): a skip for a missing required part
+# (engine, MoRI stand-in, plugin module) fails instead (test/conftest.py).
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -76,11 +78,15 @@ print-matrix:
 # patches/<release>/ exists, the patch check and the patched-stock tests.
 # At most one venv exists at a time (four side by side filled a CI disk).
 # Every stage runs; the exit status says whether any failed.
+# The "--- ci-release <release>: <stage> ---" lines let .ci/run count each stage's skips.
 ci-release:
 	@failed=""; \
+	echo "--- ci-release $(SGLANG): test ---"; \
 	$(MAKE) --no-print-directory test || failed="$$failed test"; \
 	if [ -d patches/$(SGLANG) ]; then \
+	  echo "--- ci-release $(SGLANG): check-patches ---"; \
 	  $(MAKE) --no-print-directory check-patches PATCH_RELEASES=$(SGLANG) || failed="$$failed check-patches"; \
+	  echo "--- ci-release $(SGLANG): test-patched ---"; \
 	  $(MAKE) --no-print-directory test-patched || failed="$$failed test-patched"; \
 	fi; \
 	$(MAKE) --no-print-directory clean-release; \

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from sglang_disagg_ext import backend_table
+
 
 def _doctor(args) -> int:
     from sglang_disagg_ext import doctor
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "selftest",
         help="run the built-in transfer scenarios, stock vs -ext, on the real engines",
     )
-    p.add_argument("--backend", choices=["mooncake", "nixl", "mori"], action="append",
+    p.add_argument("--backend", choices=list(backend_table.NAMES), action="append",
                    help="limit to these backends (repeatable); default: every engine available here")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],

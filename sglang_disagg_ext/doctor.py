@@ -7,14 +7,14 @@ import os
 from importlib import metadata
 from typing import Dict, Optional
 
-from sglang_disagg_ext import releases
+from sglang_disagg_ext import backend_table, releases
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "disagg_ext"
 DISTRIBUTION = "sglang-disagg-ext"
 
 # Module each transfer engine's SGLang backend imports first.
-ENGINE_MODULES = {"mooncake": "mooncake.engine", "nixl": "nixl._api", "mori": "mori.io"}
+ENGINE_MODULES = {b.name: b.engine_module for b in backend_table.BACKENDS}
 
 
 def engine_importable(engine: str) -> bool:
@@ -77,7 +77,7 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
     if policy.supported and not discovered and not launcher_ok:
         problems.append(entry_reason)
     if policy.supported and not any(engines.values()):
-        problems.append("no transfer engine (mooncake, nixl, mori) imports here")
+        problems.append(f"no transfer engine ({', '.join(backend_table.NAMES)}) imports here")
     return {
         "sglang_version": policy.version,
         "supported": policy.supported,

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import runpy
 import sys
 
+from sglang_disagg_ext import releases
 from sglang_disagg_ext.registration import load_plugin
 
 # Runs in the launcher and, through __mp_main__, in every spawned child.
@@ -35,10 +36,11 @@ def routing_report() -> dict:
 
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
+    from sglang_disagg_ext.backend_table import NAMES
     from sglang_disagg_ext.registration import SELECTED_BACKEND_ENV
 
     report = {"selected": os.environ.get(SELECTED_BACKEND_ENV), "classes": {}}
-    for backend in ("mooncake", "nixl"):
+    for backend in NAMES:
         try:
             cls = get_kv_class(TransferBackend(backend), KVClassType.MANAGER)
         except Exception as exc:  # noqa: BLE001 - an engine missing here is a finding, not a crash
@@ -56,7 +58,7 @@ def check_routing(argv) -> int:
     from sglang.srt.server_args import prepare_server_args
 
     server_args = prepare_server_args(argv)
-    if hasattr(server_args, "resolve_once"):  # releases that resolve after parsing
+    if releases.features().server_args_resolve_once:  # releases that resolve after parsing
         server_args.resolve_once()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -33,7 +33,7 @@ import logging
 import os
 from typing import Dict, Optional
 
-from sglang_disagg_ext import releases
+from sglang_disagg_ext import backend_table, releases
 
 logger = logging.getLogger("sglang_disagg_ext")
 
@@ -41,12 +41,8 @@ logger = logging.getLogger("sglang_disagg_ext")
 SELECTED_BACKEND_ENV = "SGLANG_DISAGG_EXT_BACKEND"
 
 # Base backend -> (SGLang package whose names get_kv_class imports,
-#                  plugin module that defines EXT_CLASSES for it).
-_BACKEND_MODULES = {
-    "mooncake": ("sglang.srt.disaggregation.mooncake", "sglang_disagg_ext.backends.mooncake"),
-    "nixl": ("sglang.srt.disaggregation.nixl", "sglang_disagg_ext.backends.nixl"),
-    "mori": ("sglang.srt.disaggregation.mori", "sglang_disagg_ext.backends.mori"),
-}
+#                  plugin module that defines ext_classes() for it): backend_table.
+_BACKEND_MODULES = {b.name: (b.sglang_package, b.adapter_module) for b in backend_table.BACKENDS}
 
 # (package name, attribute) -> the stock object we replaced, for deactivate().
 _replaced: Dict[tuple, object] = {}
@@ -72,21 +68,11 @@ def register_backend_names() -> None:
         server_args.add_disagg_transfer_backend_choices(missing)
 
 
-def _server_args_resolution_method(server_args_cls) -> str:
-    """The ServerArgs method that runs before SGLang reads the backend name.
-
-    Up to 0.5.12 the checks run in the dataclass ``__post_init__``. Later
-    releases seal the record and resolve it in ``resolve_once()`` (0.5.23; its
-    ``__post_init__`` is a no-op and, on a msgspec Struct, cannot be rebound).
-    Detected by feature, so releases in between need no table entry.
-    """
-    return "resolve_once" if hasattr(server_args_cls, "resolve_once") else "__post_init__"
-
-
 def _wrap_server_args_resolution() -> None:
     from sglang.srt.server_args import ServerArgs
 
-    method = _server_args_resolution_method(ServerArgs)
+    # __post_init__ up to 0.5.12, resolve_once() later (releases.SGLangFeatures).
+    method = releases.features().server_args_resolution
     original = getattr(ServerArgs, method)
     if getattr(original, "_sglang_disagg_ext", False):
         return
@@ -167,7 +153,7 @@ def activate(ext_name: str) -> None:
 
 def _missing_engine(exc: BaseException, base: str) -> bool:
     """Whether an import failed because the transfer engine itself is absent."""
-    engine_roots = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12"), "mori": ("mori",)}[base]
+    engine_roots = backend_table.BY_NAME[base].engine_packages
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

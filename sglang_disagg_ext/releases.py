@@ -29,6 +29,13 @@ Patched sources: a team that applies ``patches/<release>/`` to its SGLang gets a
 ``ReleasePolicy.patched``): the patched release has the fix, so the plugin installs
 nothing for it and the differential tests expect stock to pass (docs/patches.md).
 
+Feature probes: :func:`features` returns one :class:`SGLangFeatures` record
+holding every other question the plugin and its self-test ask about the
+installed SGLang's code (``resolve_once``, call signatures, ``runtime_context``,
+whether a stock fix is in the source). Each probe imports SGLang lazily and is
+cached; no other module of the package uses ``hasattr``/``inspect``/source text
+on SGLang (``test/unit/test_layout.py`` checks).
+
 F2 on the flat layout: no release has a ``"dsv4"`` state type, but a flat-layout
 DSv4 component (what upstream main briefly had) is silently dropped by stock
 ``maybe_send_extra`` (``return 0``), so the plugin routes it: live there.
@@ -39,13 +46,17 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import importlib.util
+import inspect
 import os
 import sys
 from importlib import metadata
 from typing import Dict, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
+
+from sglang_disagg_ext import backend_table
 
 FIXES = ("F1", "F2", "F3", "F4", "F5")
 
@@ -60,7 +71,8 @@ FIX_TITLES = {
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
 FIX_BACKEND = {"F1": "mooncake", "F2": "mooncake", "F3": "mori", "F4": "nixl", "F5": "all"}
 
-EXT_BACKENDS = {"mooncake-ext": "mooncake", "nixl-ext": "nixl", "mori-ext": "mori"}
+# -ext name -> base name, from the one backend table.
+EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 (fixes active) and "
@@ -249,3 +261,284 @@ def with_patched_fixes(policy: ReleasePolicy, fixes) -> ReleasePolicy:
     for f in changed:
         statuses[f] = FixStatus.UPSTREAM
     return dataclasses.replace(policy, fixes=statuses, patched=changed)
+
+
+# --------------------------------------------------------------------------
+# Feature probes of the installed SGLang
+# --------------------------------------------------------------------------
+#
+# Every question the plugin and its self-test ask about the installed SGLang's
+# code (does a method exist, which keywords a call takes, whether a stock fix
+# is present in the source) is answered here and nowhere else. Each probe
+# imports SGLang lazily, only when first asked, and is cached for the process;
+# none compares version strings. Stock facts (``stock_*``) describe SGLang's
+# own code, whether or not the plugin's hooks are installed.
+
+
+class SGLangFeatures:
+    """The installed SGLang's features, one cached property per probe.
+
+    Obtain the process-wide instance with :func:`features`. Reading a property
+    imports the SGLang module it is about (once); constructing the record
+    imports nothing.
+    """
+
+    # -- server arguments -------------------------------------------------------
+
+    @functools.cached_property
+    def server_args_resolution(self) -> str:
+        """The ``ServerArgs`` method that runs SGLang's argument checks before the backend name is read.
+
+        ``"__post_init__"`` up to 0.5.12 (dataclass); ``"resolve_once"`` where
+        the record is sealed and resolved later (0.5.23; its ``__post_init__``
+        is a no-op and, on a msgspec Struct, cannot be rebound).
+        """
+        from sglang.srt.server_args import ServerArgs
+
+        return "resolve_once" if hasattr(ServerArgs, "resolve_once") else "__post_init__"
+
+    @property
+    def server_args_resolve_once(self) -> bool:
+        """Whether ``ServerArgs`` must be resolved with ``resolve_once()`` after it is built."""
+        return self.server_args_resolution == "resolve_once"
+
+    @functools.cached_property
+    def server_args_mooncake_ib_device(self) -> bool:
+        """Whether ``ServerArgs`` has a ``mooncake_ib_device`` argument (fallback IB device for Mooncake)."""
+        from sglang.srt.server_args import ServerArgs
+
+        return hasattr(ServerArgs, "mooncake_ib_device")
+
+    # -- process setup ------------------------------------------------------------
+
+    @functools.cached_property
+    def runtime_context(self) -> bool:
+        """Whether ``sglang.srt.runtime_context`` exists (0.5.2x: ranks published before process groups)."""
+        try:
+            import sglang.srt.runtime_context  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @functools.cached_property
+    def metadata_buffers_sampling_mask(self) -> bool:
+        """Whether ``MetadataBuffers(...)`` takes ``max_sampling_mask_tokens`` (0.5.13+)."""
+        from sglang.srt.disaggregation.utils import MetadataBuffers
+
+        return "max_sampling_mask_tokens" in init_parameters(MetadataBuffers)
+
+    @functools.cached_property
+    def pd_kv_layout(self) -> bool:
+        """Whether ``disaggregation.utils.get_pd_kv_layout`` exists."""
+        from sglang.srt.disaggregation import utils as dutils
+
+        return hasattr(dutils, "get_pd_kv_layout")
+
+    @functools.cached_property
+    def kv_transfer_buf_infos(self) -> bool:
+        """Whether ``disaggregation.utils.get_kv_transfer_buf_infos`` exists (else ``pool.get_contiguous_buf_infos``)."""
+        from sglang.srt.disaggregation import utils as dutils
+
+        return hasattr(dutils, "get_kv_transfer_buf_infos")
+
+    @functools.cached_property
+    def build_kv_layer_ids(self) -> bool:
+        """Whether ``disaggregation.utils.build_kv_layer_ids`` exists."""
+        from sglang.srt.disaggregation import utils as dutils
+
+        return hasattr(dutils, "build_kv_layer_ids")
+
+    # -- NIXL (F4): read from the installed nixl/conn.py source text ----------------
+
+    @functools.cached_property
+    def stock_nixl_slice_uses_total_heads(self) -> bool:
+        """Whether stock ``send_kvcache_slice`` reads ``total_kv_head_num``.
+
+        0.5.10.post1 uses the per-rank count instead, so a head replicated over
+        decode ranks gives 0 heads per decode rank and a ZeroDivisionError
+        (0.5.10.post1 nixl/conn.py:484, :489). True when the method is absent.
+        """
+        text = _stock_nixl_slice_source()
+        return not text or "total_kv_head_num" in text
+
+    @functools.cached_property
+    def stock_nixl_slice_maps_decode_replicas_by_modulo(self) -> bool:
+        """Whether stock picks a decode rank's heads as ``(rank * heads per decode rank) % heads per prefill rank``.
+
+        Right while each decode rank holds distinct heads, wrong once a prefill
+        rank holding several heads serves decode ranks that replicate them
+        (0.5.11 nixl/conn.py:554-556, 0.5.12.post1 :1002-1004). Upstream later
+        maps replicas by integer division (0.5.23 ``dst_replication``).
+        """
+        return "%src_heads_per_rank" in "".join(_stock_nixl_slice_source().split())
+
+    @functools.cached_property
+    def stock_nixl_kv_tag_sender_field(self) -> Optional[str]:
+        """The ``kv_args`` field stock puts last in its KV notification tag, e.g. ``"pp_rank"``.
+
+        ``<room>_kv_<chunk>_<last>_<field>``: 0.5.10.post1 (nixl/conn.py:751)
+        and 0.5.11 (:923) use ``pp_rank``, so every TP rank of a prefill stage
+        sends the same key and a decode rank fed by several of them never
+        completes; 0.5.12.x uses ``engine_rank`` (0.5.12.post1 :661-662).
+        ``None`` if the tag is not found where expected.
+        """
+        import itertools
+        import re
+
+        text = _stock_nixl_conn_source()
+        for match in re.finditer(r"_kv_\{", text):
+            # The tag may be one f-string or several adjacent ones on following lines.
+            lines = text[match.start() :].split("\n")
+            tag = [lines[0]] + [ln for ln in itertools.takewhile(lambda ln: ln.lstrip().startswith('f"'), lines[1:])]
+            field = re.search(r"\{self\.kv_args\.(\w+)\}", "\n".join(tag))
+            if field:
+                return field.group(1)
+        return None
+
+    # -- F5: the shape of the stock retract/resume code ------------------------------
+
+    @functools.cached_property
+    def nsa_pool(self) -> bool:
+        """Whether ``mem_cache.memory_pool.NSATokenToKVPool`` exists."""
+        return nsa_pool_class() is not None
+
+    @functools.cached_property
+    def stock_f5(self) -> "StockF5Facts":
+        """Facts about stock F5 code (:func:`read_stock_f5`, cached)."""
+        return read_stock_f5()
+
+
+@dataclasses.dataclass(frozen=True)
+class StockF5Facts:
+    """The installed release's stock F5 code (see ``backends/retract.py``)."""
+
+    nsa_pool: bool  # NSATokenToKVPool exists
+    nsa_offloads_index_k: bool  # it defines its own get_cpu_copy (upstream's fix), not MLA's
+    nsa_offload_takes_mamba_indices: bool  # ... which accepts the allocator's mamba_indices= keyword
+    allocator_passes_mamba_indices: bool  # PagedTokenToKVPoolAllocator.get_cpu_copy has that keyword
+    nsa_clear_releases_index_k: bool  # its own _clear_buffers deletes index_k_with_scale_buffer
+    get_buf_copies: bool  # MetadataBuffers.get_buf clones its fields
+
+
+_features: Optional[SGLangFeatures] = None
+
+
+def features() -> SGLangFeatures:
+    """The installed SGLang's feature probes (one cached record per process)."""
+    global _features
+    if _features is None:
+        _features = SGLangFeatures()
+    return _features
+
+
+@functools.lru_cache(maxsize=None)
+def init_parameters(cls) -> frozenset:
+    """Names of the parameters ``cls(...)`` takes (its ``__init__``'s, ``self`` included)."""
+    return frozenset(inspect.signature(cls.__init__).parameters)
+
+
+def accepts_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+@functools.lru_cache(maxsize=None)
+def declared_fields(cls) -> frozenset:
+    """Fields ``cls`` and its bases declare (annotations), e.g. which ``KVArgs`` fields a release has."""
+    names = set()
+    for klass in cls.__mro__:
+        names.update(getattr(klass, "__annotations__", {}))
+    return frozenset(names)
+
+
+def read_stock_f5() -> StockF5Facts:
+    """Read :class:`StockF5Facts` from SGLang's own methods and their source (not cached).
+
+    Reads the stock methods (``backends.retract.stock_callable``), so the
+    answer is the same whether or not the plugin's F5 hooks are installed.
+    """
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    copies = ".clone()" in inspect.getsource(stock_callable(MetadataBuffers, "get_buf"))
+    passes = accepts_keyword(PagedTokenToKVPoolAllocator.get_cpu_copy, "mamba_indices")
+    nsa = nsa_pool_class()
+    if nsa is None:
+        return StockF5Facts(False, False, False, passes, False, copies)
+    offload = stock_callable(nsa, "get_cpu_copy")
+    clear = stock_callable(nsa, "_clear_buffers")
+    return StockF5Facts(
+        nsa_pool=True,
+        nsa_offloads_index_k=_defined_on(offload, nsa),
+        nsa_offload_takes_mamba_indices=accepts_keyword(offload, "mamba_indices"),
+        allocator_passes_mamba_indices=passes,
+        nsa_clear_releases_index_k=_defined_on(clear, nsa) and "index_k_with_scale_buffer" in inspect.getsource(clear),
+        get_buf_copies=copies,
+    )
+
+
+def stock_callable(cls: type, name: str):
+    """SGLang's own ``cls.name``, whether or not the plugin's F5 hooks are installed.
+
+    The hooks can only be in place once ``backends.retract`` has been imported,
+    so it is looked up in ``sys.modules`` rather than imported (no import edge
+    from this module to the backends).
+    """
+    retract = sys.modules.get("sglang_disagg_ext.backends.retract")
+    if retract is not None:
+        return retract.stock_callable(cls, name)
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    raise AttributeError(f"{cls.__name__}.{name}")
+
+
+def nsa_pool_class() -> Optional[type]:
+    """SGLang's ``NSATokenToKVPool`` class, or ``None`` where the release has none."""
+    from sglang.srt.mem_cache import memory_pool
+
+    return getattr(memory_pool, "NSATokenToKVPool", None)
+
+
+def _defined_on(fn, cls) -> bool:
+    return getattr(fn, "__qualname__", "").split(".")[0] == cls.__name__
+
+
+def _stock_nixl_conn_source() -> str:
+    """Text of the installed stock ``sglang.srt.disaggregation.nixl.conn`` ("" if absent); imports nothing."""
+    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
+    if spec is None or not spec.origin:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
+def _stock_nixl_slice_source() -> str:
+    text = _stock_nixl_conn_source()
+    start = text.find("def send_kvcache_slice")
+    if start < 0:
+        return ""
+    end = text.find("\n    def ", start + 1)
+    return text[start:end]
+
+
+# Names of the pool class that holds the per-page sparse-attention index keys (DeepSeek
+# NSA/DSA) in ``sglang.srt.mem_cache.memory_pool``: ``NSATokenToKVPool`` up to 0.5.12.x,
+# renamed ``DSATokenToKVPool`` by 0.5.13 (0.5.23 memory_pool.py:5279, no NSA alias left).
+INDEX_KEY_POOL_CLASS_NAMES = ("NSATokenToKVPool", "DSATokenToKVPool")
+
+
+def index_key_pool_class() -> Optional[type]:
+    """The installed release's index-key (NSA/DSA) KV pool class, or ``None`` where it has none.
+
+    The one place that picks the class per release, by what the installed
+    ``memory_pool`` module defines (the first of ``INDEX_KEY_POOL_CLASS_NAMES``).
+    """
+    from sglang.srt.mem_cache import memory_pool
+
+    for name in INDEX_KEY_POOL_CLASS_NAMES:
+        cls = getattr(memory_pool, name, None)
+        if cls is not None:
+            return cls
+    return None

@@ -40,6 +40,12 @@ class MooncakeExtKVManager(MooncakeKVManager):
     """Parts shared by both state layouts; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
+        """Contract: SGLang builds one manager per scheduler process, on the scheduler
+        thread at startup (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
+        ``._init_kv_manager``, via ``get_kv_class``), with SGLang's own arguments.
+        On prefill the stock constructor starts the ``transfer_worker`` threads,
+        so everything they read must exist before ``super().__init__``.
+        """
         # Set before super().__init__: the stock constructor starts the
         # transfer threads, which may call send_aux.
         self._failed_state_sends = set()
@@ -54,6 +60,16 @@ class MooncakeExtKVManager(MooncakeKVManager):
             self._failed_state_sends.add((req.room, req.mooncake_session_id))
 
     def send_aux(self, req, *args, **kwargs):
+        """Stock ``send_aux``, but ``-1`` for a request whose state send failed.
+
+        Contract: prefill only. SGLang's ``transfer_worker`` thread calls it on a
+        room's last chunk, once per non-dummy decode rank, after that rank's KV
+        pages went out with rc 0 and after ``maybe_send_extra``; no manager lock
+        is held. Its rc is that rank's poll: only when every
+        ``required_dst_info_num`` rank returned 0 does the worker set Success and
+        sync it to decode. Never return 0 for a request whose state failed, and
+        never raise: the worker re-raises and its transfer thread dies.
+        """
         with self._failed_state_lock:
             failed = (req.room, req.mooncake_session_id) in self._failed_state_sends
             self._failed_state_sends.discard((req.room, req.mooncake_session_id))
@@ -126,6 +142,16 @@ class MooncakeExtKVManagerFlat(MooncakeExtKVManager):
         executor,
         target_rank_registration_info=None,
     ):
+        """Contract: prefill only, on SGLang's ``transfer_worker`` thread: a room's
+        last chunk carrying ``state_indices`` (built by the scheduler's
+        ``send_kv_chunk``), once per non-dummy decode rank whose KV pages went
+        out with rc 0, before ``send_aux``. ``prefill_state_indices`` is shared
+        by all those ranks; ``req.dst_state_indices`` is decode's
+        ``send_metadata`` payload; SGLang never compares their lengths. Stock
+        ignores the rc and re-raises exceptions (the thread dies): so never
+        raise, never mutate either list, write only into ``req.dst_state_indices``'
+        pages, and report failure through the following ``send_aux``.
+        """
         def send() -> int:
             kind = getattr(self.kv_args, "state_type", "none")
             (plan,) = plan_state_transfer([kind], [prefill_state_indices], [req.dst_state_indices])
@@ -165,6 +191,15 @@ class MooncakeExtKVManagerPerComponent(MooncakeExtKVManager):
         executor,
         target_rank_registration_info=None,
     ):
+        """Contract: as the flat layout's (``transfer_worker`` thread, prefill, last
+        chunk, once per non-dummy decode rank, before ``send_aux``), called when
+        ``state_indices`` is non-empty. ``prefill_state_indices`` has one entry
+        per ``kv_args.state_types`` component (``None`` = nothing to send) and
+        is shared by all decode ranks; ``req.dst_state_indices`` and the decode
+        pointers in ``target_rank_registration_info`` come from decode,
+        unchecked. Same rules: never raise, never mutate the index lists, fail
+        through ``send_aux``.
+        """
         def send() -> int:
             state_types = list(getattr(self.kv_args, "state_types", []) or [])
             plans = plan_state_transfer(state_types, prefill_state_indices, req.dst_state_indices)

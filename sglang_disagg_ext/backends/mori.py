@@ -217,15 +217,26 @@ class MoriExtKVManager(MoriKVManager):
     """MoRI manager with per-component state; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
+        """Contract: SGLang builds one manager per scheduler process, on the scheduler
+        thread at startup (``_init_kv_manager``); the stock constructor calls
+        ``_register_local_buffers`` and then starts the bootstrap (prefill) or
+        decode thread, so everything they read must exist first.
+        """
         # Set before super().__init__: it starts the bootstrap / decode threads.
         self._refused_peers: Dict[Tuple[str, int], str] = {}
         self._refused_lock = threading.Lock()
         self._prefill_wire: Dict[str, Optional[str]] = {}
-        self._pending_state = threading.local()
         super().__init__(*args, **kwargs)
 
     # -- local buffers ---------------------------------------------------------------
     def _register_local_buffers(self) -> None:
+        """Contract: stock ``MoriKVManager.__init__`` calls it once, both sides, on
+        the scheduler thread at startup (``_init_kv_manager``), after the IO
+        engine exists and before the bootstrap / decode thread starts. It may
+        raise (startup fails) but must leave ``state_mem_descs`` one list per
+        component, aligned with ``state_item_lens``, and hand no zero-length
+        state tensor to ``register_memory``.
+        """
         args = self.kv_args
         n = len(getattr(args, "state_types", []) or [])
         shapes = (len(args.state_data_ptrs), len(getattr(args, "state_data_lens", [])), len(args.state_item_lens))
@@ -251,6 +262,12 @@ class MoriExtKVManager(MoriKVManager):
 
     # -- prefill: registration and transfer messages ------------------------------
     def _handle_register_message(self, payload: List[bytes]) -> None:
+        """Contract: prefill only, on stock's ``bootstrap_worker`` thread, for a
+        message whose MORI_GUARD was checked and whose room field is ``None``
+        (a decode rank registering); ``payload`` is otherwise unparsed. No lock
+        held. Never block: the thread serves every later room. Stock's worker
+        only logs an exception, so a refusal is recorded here, not raised.
+        """
         try:
             info = MoriExtKVArgsRegisterInfo.from_zmq(payload)
             self._check_peer_components(info)
@@ -289,6 +306,12 @@ class MoriExtKVManager(MoriKVManager):
             logger.error(reason)
 
     def _handle_transfer_message(self, payload: List[bytes]) -> None:
+        """Contract: prefill only, on ``bootstrap_worker``: a decode's
+        ``send_metadata`` for one room (guard checked, payload unparsed), possibly
+        before the scheduler created the room's sender. Mutate
+        ``transfer_infos`` / status only under ``transfer_lock`` and never after
+        the room left Bootstrapping (a sender may be using them); never raise.
+        """
         try:
             info = MoriExtTransferInfo.from_zmq(payload)
         except Exception:  # noqa: BLE001 - as stock
@@ -326,13 +349,6 @@ class MoriExtKVManager(MoriKVManager):
         return None
 
     # -- prefill: sending -----------------------------------------------------------
-    def _take_pending_state(self, room: int):
-        pending = getattr(self._pending_state, "value", None)
-        if pending is not None and pending[0] == room:
-            self._pending_state.value = None
-            return pending[1]
-        return None
-
     def add_transfer_request(
         self,
         bootstrap_room: int,
@@ -342,9 +358,13 @@ class MoriExtKVManager(MoriKVManager):
         aux_index: Optional[int] = None,
         state_indices=None,
     ):
-        if is_last and state_indices is None:
-            # Handed over by MoriExtKVSender.send, on this thread, for this room.
-            state_indices = self._take_pending_state(bootstrap_room)
+        """Contract: prefill scheduler thread, from ``MoriExtKVSender.send`` per
+        chunk; ``state_indices`` (per component) only on the last one. Returns
+        stock's ``(statuses, infos)``: submitted transfers, which the sender's
+        ``poll`` waits on before Success (stock's manager status Success here
+        only means submitted). Never raise into the scheduler: a refused
+        decode peer ends the room Failed instead.
+        """
         if bootstrap_room in self.request_status:
             reason = self._refusal_for_room(bootstrap_room)
             if reason is not None:
@@ -358,7 +378,15 @@ class MoriExtKVManager(MoriKVManager):
         )
 
     def send_state(self, peer_info, src_state_indices, dst_state_indices):
-        """Per component: Mamba -> single slot, SWA/NSA/DSA/DSv4 -> contiguous pages."""
+        """Per component: Mamba -> single slot, SWA/NSA/DSA/DSv4 -> contiguous pages.
+
+        Contract: stock ``add_transfer_request`` calls it on the prefill scheduler
+        thread, last chunk, per non-dummy decode rank, when state indices were
+        given and ``state_mem_descs`` is non-empty, inside a ``try`` that turns
+        any exception into Failed for the room. Returns the submitted transfer
+        statuses. Never mutate the index lists (shared by every decode rank);
+        write only into the decode's pages/slots named in ``dst_state_indices``.
+        """
         if not self.state_mem_descs:
             return []
         state_types = list(getattr(self.kv_args, "state_types", []) or [])
@@ -482,19 +510,55 @@ class MoriExtKVManager(MoriKVManager):
 
 class MoriExtKVSender(MoriKVSender):
     def send(self, kv_indices, state_indices: Optional[List] = None):
-        # Stock send() flattens state_indices with np.asarray (0.5.12.post1
-        # mori/conn.py:1264), which fails on ragged per-component lists. Hand
-        # the per-component lists to the manager's add_transfer_request, which
-        # stock send() calls on this thread, instead.
-        self.kv_mgr._pending_state.value = (self.bootstrap_room, normalize_state_indices(state_indices))
-        try:
-            super().send(kv_indices, None)
-        finally:
-            self.kv_mgr._pending_state.value = None
+        """Stock ``send`` (0.5.12.post1 mori/conn.py:1241-1279), per-component state indices.
+
+        Contract: prefill scheduler thread, from ``send_kv_chunk`` once per chunk
+        after the room left Bootstrapping; ``state_indices`` (one entry per
+        component, ``None`` = none) only with the last chunk. Must not raise or
+        wait for transfers, and must not mutate the caller's arrays.
+
+        Stock flattens ``state_indices`` with ``np.asarray`` (:1264), which
+        fails on ragged per-component lists; this passes them, normalised per
+        component, straight to the manager's ``add_transfer_request``. The
+        rest is stock's body unchanged.
+        """
+        index_slice = slice(self.curr_idx, self.curr_idx + len(kv_indices))
+        self.curr_idx += len(kv_indices)
+        is_last = self.curr_idx == self.num_kv_indices
+
+        if self.kv_mgr.enable_all_cp_ranks_for_transfer:
+            kv_indices, index_slice = _conn.filter_kv_indices_for_cp_rank(self.kv_mgr, kv_indices, index_slice)
+        elif self.kv_mgr.is_dummy_cp_rank:
+            if is_last:
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            return
+
+        statuses, infos = self.kv_mgr.add_transfer_request(
+            self.bootstrap_room,
+            kv_indices,
+            index_slice,
+            is_last,
+            aux_index=self.aux_index if is_last else None,
+            state_indices=normalize_state_indices(state_indices) if is_last else None,
+        )
+        self.transfer_statuses.extend(statuses)
+        self._record_transfer_indices(kv_indices, None)
+        if infos is not None:
+            self.pending_infos = infos
+            if is_last:
+                self.sent_last_chunk = True
+        self._maybe_finalize_if_room_failed()
 
 
 class MoriExtKVReceiver(MoriKVReceiver):
     def init(self, prefill_dp_rank: int):
+        """Contract: decode scheduler thread, once per request, from
+        ``DecodePreallocQueue.add`` or ``_resolve_pending_reqs`` once the prefill
+        DP rank is known. Stock ``init`` may query the bootstrap server over HTTP
+        and register (``_register_kv_args``); the wire probe before it blocks at
+        most ``WIRE_PROBE_TIMEOUT_S`` and is cached per prefill after a definite
+        answer. Never raise: a refused prefill ends the request Failed.
+        """
         problem = self.kv_mgr.prefill_wire_problem(self.bootstrap_addr)
         if problem is not None:
             if self.bootstrap_room is not None:
@@ -505,6 +569,12 @@ class MoriExtKVReceiver(MoriKVReceiver):
         super().init(prefill_dp_rank)
 
     def _register_kv_args(self):
+        """Contract: decode scheduler thread, from stock ``init`` (via
+        ``_setup_bootstrap_infos``) the first time this manager meets a
+        bootstrap key; ``bootstrap_infos`` were fetched from the bootstrap
+        server. Sends one registration per prefill rank under each socket's lock;
+        all fields but the state ones are byte-for-byte stock's.
+        """
         if self.bootstrap_infos is None:
             return
         mgr = self.kv_mgr
@@ -539,6 +609,12 @@ class MoriExtKVReceiver(MoriKVReceiver):
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
                       decode_prefix_len: Optional[int] = None):
+        """Contract: decode scheduler thread, from ``DecodePreallocQueue.pop_preallocated``
+        once the request's pages, metadata slot and per-component state slots are
+        allocated (``state_indices``: one entry per ``kv_args.state_types``
+        component, ``None`` = none). Must not mutate the index arrays or block
+        beyond the ZMQ sends; dummy ranks get no indices, as in stock.
+        """
         if self.bootstrap_infos is None or self.bootstrap_room is None:
             return
         kv_indices_bytes = np.asarray(kv_indices, dtype=np.int32).tobytes() if kv_indices.size else b""
@@ -571,6 +647,10 @@ class MoriExtKVBootstrapServer(MoriKVBootstrapServer):
     prefill speaks the per-component state wire before it registers."""
 
     def _setup_routes(self):
+        """Contract: stock ``CommonKVBootstrapServer.__init__`` calls it once, in
+        the prefill's tokenizer-manager process (``start_disagg_service``),
+        before the aiohttp server thread starts. Only add routes; keep stock's.
+        """
         super()._setup_routes()
         self.app.router.add_get(WIRE_ROUTE, self._handle_state_wire)
 

@@ -32,8 +32,10 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   decode turns into Failed at once (stock decode ignores the tag and times
   out). On <= 0.5.11 stock raises such errors into the scheduler instead.
 
-Everything release-specific is detected from the installed classes in
-``_ReleaseFeatures`` below; the rest is release-independent.
+Release differences the adapter meets (state-pointer layout, the method and
+field that build notification tags, the sender's failure path) are handled
+where they appear, by the shape of the arguments SGLang passes, never by
+version; what stock NIXL does per release is read in ``releases.features()``.
 """
 
 from __future__ import annotations
@@ -276,6 +278,12 @@ class NixlExtKVManager(NixlKVManager):
     """See the module docstring."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        """Contract: SGLang builds one manager per scheduler process, on the scheduler
+        thread at startup (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
+        ``._init_kv_manager``). The stock constructor calls
+        ``register_buffer_to_engine`` and then starts the bootstrap thread (and on
+        0.5.12.x the transfer workers) on prefill, the heartbeat thread on decode.
+        """
         # Set before super().__init__: the stock constructor registers memory
         # and starts the bootstrap thread, which use these.
         self._ext_is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
@@ -293,6 +301,15 @@ class NixlExtKVManager(NixlKVManager):
 
     # -- registration ------------------------------------------------------------------
     def register_buffer_to_engine(self):
+        """Register KV, aux and state buffers, each under the memory kind it lives in.
+
+        Contract: stock ``NixlKVManager.__init__`` calls it once, both sides, on
+        the scheduler thread at startup, after creating ``self.agent`` and before
+        any SGLang thread of the manager starts; ``kv_args`` is final. It may
+        raise (startup fails, as stock does when NIXL refuses memory), but must
+        not return with a KV, aux or state buffer unregistered: every later
+        transfer names these buffers by raw pointer.
+        """
         if self._ext_is_prefill and not self.is_mla_backend:
             self._ext_check_own_heads()
         if not isinstance(self.agent, ExtNixlAgent):
@@ -367,6 +384,13 @@ class NixlExtKVManager(NixlKVManager):
         ``add_remote_agent`` raise) would end that thread and leave every later
         room Bootstrapping, so a decode that cannot be served is recorded and
         its rooms fail with the reason instead.
+
+        Contract: prefill only. Stock ``bootstrap_thread`` calls it for each
+        registration message (room ``None``) from a decode rank, already parsed
+        by ``KVArgsRegisterInfo.from_zmq``; a name already in
+        ``decode_kv_args_table`` is ignored by stock. No lock is held while the
+        scheduler (or transfer worker) may read the table. Never raise, never
+        block on the peer.
         """
         name = decode_kv_args.agent_name
         new = name not in self.decode_kv_args_table
@@ -458,10 +482,28 @@ class NixlExtKVManager(NixlKVManager):
 
     # -- sends -------------------------------------------------------------------------------
     def _send_kvcache_generic(self, peer_name, src_data_ptrs, dst_data_ptrs, *args, **kwargs):
+        """Stock page transfer, with each side's descriptors under its registered kind.
+
+        Contract: prefill only. Stock ``send_kvcache`` (KV pages, MLA or equal TP)
+        and ``maybe_send_extra`` (paged state) call it: on the scheduler thread
+        inside ``add_transfer_request`` up to 0.5.11, on a ``transfer_worker``
+        thread on 0.5.12.x. It returns a posted NIXL handle; completion is
+        judged later from ``check_xfer_state`` (sender ``poll`` / the worker's
+        wait loop), so it must never wait for the bytes nor report them landed.
+        """
         with self._ext_kinds(peer_name, src_data_ptrs, dst_data_ptrs, "pages"):
             return super()._send_kvcache_generic(peer_name, src_data_ptrs, dst_data_ptrs, *args, **kwargs)
 
     def maybe_send_extra(self, peer_name, *args, **kwargs):
+        """Stock state send, with the memory kinds of both sides' state buffers.
+
+        Contract: prefill only, same thread as ``_send_kvcache_generic``: a room's
+        last chunk carrying ``state_indices`` (from ``send_kv_chunk``), once per
+        non-dummy decode rank, before ``send_aux``; ``peer_name`` is in
+        ``decode_kv_args_table``. Returns what stock returns (a handle or None up
+        to 0.5.11, a list of handles on 0.5.12.x), all already posted. Must not
+        mutate the index arguments, which every decode rank of the room shares.
+        """
         src = [p for p, _ in _flatten_state(self.kv_args)]
         if not src:
             return super().maybe_send_extra(peer_name, *args, **kwargs)
@@ -483,7 +525,15 @@ class NixlExtKVManager(NixlKVManager):
         decode_tp_rank: int,
         dst_kv_item_len: int,
     ):
-        """Write this rank's share of the decode rank's heads (see ``HeadLayout``)."""
+        """Write this rank's share of the decode rank's heads (see ``HeadLayout``).
+
+        Contract: prefill only, non-MLA with decode TP != prefill attention TP.
+        Called where ``send_kvcache`` would be: scheduler thread inside
+        ``add_transfer_request`` up to 0.5.11, ``transfer_worker`` thread on
+        0.5.12.x; 0.5.11+ skip it for an empty chunk. ``dst_kv_indices`` is the chunk's slice of decode's pages, never shorter
+        than ``prefill_kv_indices``. Returns a posted handle (or a
+        notification-only one); never writes outside those pages or heads.
+        """
         layout = self._ext_layout(prefill_tp_size, decode_tp_size)
         head_slice = layout.head_slice(
             self.kv_args.engine_rank % prefill_tp_size, decode_tp_rank % decode_tp_size
@@ -536,7 +586,16 @@ class NixlExtKVManager(NixlKVManager):
 
     # -- failures ------------------------------------------------------------------------------
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last, chunk_id, *args, **kwargs):
-        """Stock's request, but a room that cannot be served ends Failed instead of raising."""
+        """Stock's request, but a room that cannot be served ends Failed instead of raising.
+
+        Contract: prefill only, on the scheduler thread: ``NixlKVSender.send``
+        (from ``send_kv_chunk``) calls it per chunk after the room left
+        Bootstrapping; ``transfer_infos[room]`` was filled by the bootstrap
+        thread. Up to 0.5.11 it posts the transfers itself and must return a
+        list (the sender extends its handles with it); on 0.5.12.x stock only
+        enqueues for ``transfer_worker`` and the sender ignores the result.
+        Never raise into the scheduler and never wait for a transfer here.
+        """
         if bootstrap_room in self._ext_failed_rooms:
             if is_last:
                 self._ext_forget_room(bootstrap_room)
@@ -567,6 +626,15 @@ class NixlExtKVManager(NixlKVManager):
             prefix.pop(room, None)
 
     def record_failure(self, bootstrap_room: int, failure_reason: str):
+        """Stock record; on prefill also poll Failed and tell decode once per room.
+
+        Contract: SGLang calls it on prefill from the scheduler thread
+        (``CommonKVSender.abort``; also its ``__init__`` from 0.5.11) and, on 0.5.12.x, from
+        ``transfer_worker`` threads; on decode from the receiver's ``init``,
+        ``poll`` and ``abort``; the plugin calls it too. Calls may race across
+        threads and arrive with no lock held (stock guards its record with
+        ``failure_lock``). Never raise: every caller is already a failure path.
+        """
         super().record_failure(bootstrap_room, failure_reason)
         if not getattr(self, "_ext_is_prefill", False):
             return
@@ -608,6 +676,14 @@ class NixlExtKVSender(NixlKVSender):
     """Stock sender; a room the manager failed polls as Failed, a NIXL error too."""
 
     def poll(self) -> KVPoll:
+        """Contract: prefill scheduler thread, every pass of ``pop_bootstrapped``,
+        ``process_disagg_prefill_inflight_queue`` and (PP) ``get_transferred_rids``,
+        through ``poll_and_all_reduce``: the value is MIN-all-reduced over the
+        attention TP/CP group, so each rank must return promptly and never raise
+        (stock raises on an ERR handle up to 0.5.11), or the collective breaks.
+        Never Success before the bytes landed: every handle DONE up to 0.5.11,
+        the worker's Success on 0.5.12.x.
+        """
         mgr = self.kv_mgr
         if isinstance(mgr, NixlExtKVManager) and mgr._ext_room_failure(self.bootstrap_room) is not None:
             return KVPoll.Failed
@@ -620,6 +696,11 @@ class NixlExtKVSender(NixlKVSender):
             return KVPoll.Failed
 
     def failure_exception(self):
+        """Contract: prefill scheduler thread, only after the all-reduced poll read
+        Failed (possibly because another rank failed), inside SGLang's
+        ``try/except Exception`` that appends the message to the abort reason.
+        It is expected to raise; the room's recorded reason comes first.
+        """
         mgr = self.kv_mgr
         reason = mgr._ext_room_failure(self.bootstrap_room) if isinstance(mgr, NixlExtKVManager) else None
         if reason is not None:

@@ -59,6 +59,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_disagg_ext import releases
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, page_chunk_rows, page_starts, restore_bounds
 
 logger = logging.getLogger("sglang_disagg_ext")
@@ -220,6 +221,13 @@ def nsa_get_cpu_copy(self, indices, mamba_indices=None, **kwargs):
     Same arguments as the base class in every release; ``mamba_indices`` and
     other keywords are accepted and unused (an NSA pool holds no Mamba state;
     the hybrid pool that does offloads it itself).
+
+    Contract: decode scheduler thread, retract path only: ``ScheduleBatch.release_req``
+    (``retract_decode``) -> ``Req.offload_kv_cache`` -> the allocator, with the
+    request's token slots ``req_to_token[req_pool_idx, :seqlen - 1]`` while they
+    still hold its data; the caller frees them right after return. So every
+    host copy must be complete on return, and the pool's buffers are only
+    read. The value is opaque to SGLang (kept as ``req.kv_cache_cpu``).
     """
     device = _pool_device(self)
     synchronize_device(device)  # writes of the last forward pass must land first
@@ -230,7 +238,15 @@ def nsa_get_cpu_copy(self, indices, mamba_indices=None, **kwargs):
 
 
 def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs):
-    """Restore what :func:`nsa_get_cpu_copy` offloaded into the request's new slots."""
+    """Restore what :func:`nsa_get_cpu_copy` offloaded into the request's new slots.
+
+    Contract: decode scheduler thread, from ``DecodePreallocQueue.resume_retracted_reqs``
+    -> ``Req.load_kv_cache`` after ``_pre_alloc`` gave the request new slots
+    (``indices``); ``kv_cache_cpu`` is what an offload
+    returned, possibly stock's layout if made before install. Write only those
+    slots' rows and pages, finish before return (the caller then drops the
+    host copy), and keep accepting the base class's call signature.
+    """
     global _warned_plain_copy
     kv, index_k = _split_cpu_copy(kv_cache_cpu)
     device = _pool_device(self)
@@ -249,7 +265,13 @@ def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs)
 
 
 def _nsa_clear_buffers(self):
-    """Release ``kv_buffer`` (base class) and ``index_k_with_scale_buffer``."""
+    """Release ``kv_buffer`` (base class) and ``index_k_with_scale_buffer``.
+
+    Contract: no SGLang code in 0.5.10.post1 / 0.5.11 / 0.5.12.x calls
+    ``_clear_buffers`` (only the pools define it); it is kept equal to what a
+    caller tearing the pool down would expect: both buffers gone, nothing else
+    touched, and safe when the index buffer is already absent.
+    """
     cls = _nsa_pool_class()
     super(cls, self)._clear_buffers()
     if "index_k_with_scale_buffer" in self.__dict__:
@@ -257,7 +279,14 @@ def _nsa_clear_buffers(self):
 
 
 def metadata_get_buf(self, idx: int):
-    """The release's own ``get_buf`` fields, each one a copy instead of a view."""
+    """The release's own ``get_buf`` fields, each one a copy instead of a view.
+
+    Contract: decode scheduler thread, from ``DecodeTransferQueue._commit_transfer_to_req``
+    (``pop_transferred``) after the room polled Success, with the request's
+    ``metadata_buffer_index``. Returns the same tuple shape and field order as
+    the release's ``get_buf``; never writes the buffers (``pop_transferred``
+    then frees the slot for reuse by other requests; the copies stay valid).
+    """
     original = _original_callable(_metadata_buffers_class(), "get_buf")
     # Later releases return None for fields that are switched off; keep those.
     return tuple(None if t is None else t.clone() for t in original(self, idx))
@@ -276,11 +305,15 @@ def _import_attr(module: str, name: str) -> Optional[type]:
     except ImportError as e:
         logger.warning("sglang-disagg-ext F5: cannot import %s (%s); %s not patched", module, e, name)
         return None
-    return getattr(mod, name, None)
+    return getattr(mod, name)  # every release defines the classes asked for here
 
 
 def _nsa_pool_class() -> Optional[type]:
-    return _import_attr("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool")
+    try:
+        return releases.nsa_pool_class()
+    except ImportError as e:
+        logger.warning("sglang-disagg-ext F5: cannot import SGLang's memory pools (%s); NSATokenToKVPool not patched", e)
+        return None
 
 
 def _metadata_buffers_class() -> Optional[type]:
@@ -328,7 +361,7 @@ def _targets() -> List[Tuple[type, str, object]]:
             (nsa, "_clear_buffers", _nsa_clear_buffers),
         ]
     meta = _metadata_buffers_class()
-    if meta is not None and hasattr(meta, "get_buf"):
+    if meta is not None:  # every release's MetadataBuffers has get_buf
         targets.append((meta, "get_buf", metadata_get_buf))
     return targets
 

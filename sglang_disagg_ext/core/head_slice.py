@@ -294,22 +294,11 @@ def build_head_slice_descriptors(
     return out.reshape(-1, 3)
 
 
-# --- KV-completion notification keys ------------------------------------------
+# --- KV-completion notification sender ids (tags: core/nixl_notif.py) ----------
 
 # A sender id packs (pp_rank, engine_rank) into the one integer field stock
 # decode already parses. Engine ranks are TP ranks (< TP size, far below this).
 ENGINE_RANK_LIMIT = 1 << 16
-
-NOTIFICATION_KINDS = ("kv", "state", "aux_nokv")
-
-
-class NotificationKey(NamedTuple):
-    room: int
-    kind: str  # "kv", "state", "aux_nokv", or "aux" (stock; carries no sender)
-    pp_rank: Optional[int]
-    engine_rank: Optional[int]
-    chunk_id: Optional[int] = None  # "kv" only
-    is_last: Optional[bool] = None  # "kv" only
 
 
 def notification_sender_id(pp_rank: int, engine_rank: int) -> int:
@@ -324,89 +313,3 @@ def notification_sender_id(pp_rank: int, engine_rank: int) -> int:
     if engine_rank >= ENGINE_RANK_LIMIT:
         raise ValueError(f"engine_rank {engine_rank} >= {ENGINE_RANK_LIMIT}")
     return int(pp_rank) * ENGINE_RANK_LIMIT + int(engine_rank)
-
-
-def notification_key(
-    room: int,
-    kind: str,
-    pp_rank: int,
-    engine_rank: int,
-    *,
-    chunk_id: Optional[int] = None,
-    is_last: Optional[bool] = None,
-) -> str:
-    """NIXL notification tag, unique per prefill rank (pipeline stage and TP rank).
-
-    Formats, with ``S = notification_sender_id(pp_rank, engine_rank)``:
-      kv:        ``<room>_kv_<chunk_id>_<0|1>_<S>``
-      state:     ``<room>_state_<S>``
-      aux_nokv:  ``<room>_aux_nokv_<S>``
-
-    Stock decode can parse these: 0.5.10.post1 and 0.5.11 split on "_" and
-    read the last field with ``int()`` (0.5.12.x the same field), using it only
-    as a dict key per sender, so a unique S is exactly what its completion
-    count needs. 0.5.10.post1 has no ``aux_nokv`` branch: send that kind only
-    to 0.5.11+ decodes. (0.5.23's NIXL path no longer uses these tags.)
-    """
-    if kind not in NOTIFICATION_KINDS:
-        raise ValueError(f"unknown notification kind {kind!r}; expected one of {NOTIFICATION_KINDS}")
-    if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
-        raise ValueError(f"room must be an int, got {room!r}")
-    sender = notification_sender_id(pp_rank, engine_rank)
-    if kind == "kv":
-        if chunk_id is None or is_last is None:
-            raise ValueError("a kv notification needs chunk_id and is_last")
-        if isinstance(chunk_id, bool) or not isinstance(chunk_id, (int, np.integer)) or chunk_id < 0:
-            raise ValueError(f"chunk_id must be a non-negative int, got {chunk_id!r}")
-        return f"{int(room)}_kv_{int(chunk_id)}_{int(bool(is_last))}_{sender}"
-    if chunk_id is not None or is_last is not None:
-        raise ValueError(f"chunk_id/is_last apply to kv notifications, not {kind!r}")
-    return f"{int(room)}_{kind}_{sender}"
-
-
-def _split_sender(sender: int):
-    return divmod(sender, ENGINE_RANK_LIMIT)
-
-
-def _digits(field: str) -> int:
-    # int() alone would also take "+1", " 1" and "1_0"; a key is plain digits.
-    if not (field.isascii() and field.isdigit()):
-        raise ValueError(field)
-    return int(field)
-
-
-def parse_notification_key(key: Union[str, bytes]) -> NotificationKey:
-    """Inverse of notification_key; also reads stock keys.
-
-    A stock 0.5.10/0.5.11 key carries the pp_rank in the sender field; it
-    parses as (pp_rank=0, engine_rank=that value) when it is below
-    ENGINE_RANK_LIMIT, which is how upstream 0.5.12+ meant it. A bare stock
-    ``<room>_aux`` parses with no sender. Raises ValueError on anything else.
-    """
-    try:
-        text = key.decode("ascii") if isinstance(key, (bytes, bytearray)) else str(key)
-        parts = text.split("_")
-        room = int(parts[0])
-        kind = parts[1]
-        if kind == "kv" and len(parts) in (4, 5):
-            chunk_id = _digits(parts[2])
-            last_flag = _digits(parts[3])
-            if last_flag not in (0, 1):
-                raise ValueError(parts[3])
-            # Stock parsers read a missing sender field as 0; so do we.
-            sender = _digits(parts[4]) if len(parts) == 5 else 0
-            pp_rank, engine_rank = _split_sender(sender)
-            return NotificationKey(room, "kv", pp_rank, engine_rank, chunk_id, bool(last_flag))
-        if kind == "state" and len(parts) == 3:
-            sender = _digits(parts[2])
-        elif kind == "aux" and len(parts) == 4 and parts[2] == "nokv":
-            kind = "aux_nokv"
-            sender = _digits(parts[3])
-        elif kind == "aux" and len(parts) == 2:
-            return NotificationKey(room, "aux", None, None)
-        else:
-            raise ValueError(text)
-        pp_rank, engine_rank = _split_sender(sender)
-        return NotificationKey(room, kind, pp_rank, engine_rank)
-    except (ValueError, IndexError, UnicodeDecodeError):
-        raise ValueError(f"not a KV notification key: {key!r}") from None

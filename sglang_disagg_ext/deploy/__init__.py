@@ -1,7 +1,7 @@
 """Deployment helpers: start 1P1D (prefill, decode, router), stop it, run GSM8K against it.
 
-``commands`` and ``gsm8k_parse`` are pure (argument vectors, validation, output
-parsing; no SGLang import, no processes). ``procs`` owns every process this
+``commands`` is pure (argument vectors, validation; no SGLang import, no
+processes); ``gsm8k`` builds the evaluation command and parses its output. ``procs`` owns every process this
 package starts. ``launch_pd`` and ``gsm8k`` are the command lines
 (``scripts/launch_pd.py``, ``scripts/gsm8k.py``). ``mini_lb`` is the in-tree PD
 load balancer used where ``sglang_router`` is not installed.

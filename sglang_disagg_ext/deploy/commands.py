@@ -16,9 +16,10 @@ import shlex
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_disagg_ext.deploy import DeployError
+from sglang_disagg_ext import backend_table
 from sglang_disagg_ext.releases import EXT_BACKENDS, ReleasePolicy, UnsupportedSGLangRelease
 
-STOCK_BACKENDS = ("mooncake", "nixl", "mori")
+STOCK_BACKENDS = backend_table.NAMES
 KNOWN_BACKENDS = tuple(EXT_BACKENDS) + STOCK_BACKENDS
 PROTOCOLS = ("rdma", "tcp")
 ROUTERS = ("sglang-router", "mini-lb")

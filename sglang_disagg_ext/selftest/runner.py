@@ -28,28 +28,15 @@ from typing import Dict, List, Optional
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness.transport import TransferOptions, TransportOptionError
+from sglang_disagg_ext.selftest.rows import COLUMNS, format_table, make_row, show_progress, summary_line, totals  # noqa: F401
 
 # Worker errors after which every further run of this selftest would fail the
 # same way (the engine or the device cannot start here): later scenarios are
 # reported, not run.
 _ENGINE_START_FAILURES = ("RDMA init failed", "CUDA is not available")
 
-# Row keys, in table order.
-COLUMNS = ("scenario", "fix", "backend", "stock", "ext", "verified", "seconds")
-
-
-def _row(scenario, fix, backend, stock, ext, verified, seconds, **extra) -> Dict:
-    row = {
-        "scenario": scenario,
-        "fix": fix,
-        "backend": backend,
-        "stock": stock,
-        "ext": ext,
-        "verified": bool(verified),
-        "seconds": round(float(seconds), 2),
-    }
-    row.update(extra)
-    return row
+# Every row of every fix family is built by one function (rows.make_row).
+_row = make_row
 
 
 def engine_start_failure(result) -> Optional[str]:
@@ -102,17 +89,27 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
         failure = engine_start_failure(ext) or engine_start_failure(stock)
         if failure:
             start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
+        stock_expected = builtin.stock_expectation(policy)
+        stock_ok = builtin.evaluate(stock)
+        # Where the bug is live, stock must fail *as the bug does* (its signature); a setup
+        # error, harness error or deadline is reported, never counted as the reproduction.
+        not_reproduced = builtin.stock_signature(stock, policy) if stock_expected == "fail" else None
+        if stock_expected == "fail" and stock_ok:
+            not_reproduced = "stock passed"
         rows.append(
             _row(
                 builtin.name,
                 builtin.fix,
                 "mooncake",
-                "pass" if builtin.evaluate(stock) else "fail",
+                "pass" if stock_ok else "fail",
                 "pass" if builtin.evaluate(ext) else "fail",
-                # Decode compared the pages byte for byte and they matched.
-                any(r.bytes_verified for r in ext.requests),
+                # Decode compared the pages byte for byte and they matched, and where the
+                # bug is live stock showed it.
+                any(r.bytes_verified for r in ext.requests) and not not_reproduced,
                 time.monotonic() - start,
-                stock_expected=builtin.stock_expectation(policy),
+                stock_expected=stock_expected,
+                stock_reproduced=(not_reproduced is None) if stock_expected == "fail" else None,
+                stock_detail=not_reproduced,
                 ext_detail=None if builtin.evaluate(ext) else ext.describe(logs=False),
                 **observed(ext),
             )
@@ -120,12 +117,10 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
     return rows
 
 
-# backend -> (module, function) providing that backend's rows.
-_ROW_SOURCES = {
-    "mooncake": ("sglang_disagg_ext.selftest.runner", "mooncake_rows"),
-    "nixl": ("sglang_disagg_ext.selftest.scenarios.nixl_rows", "nixl_rows"),
-    "mori": ("sglang_disagg_ext.selftest.scenarios.mori", "mori_rows"),
-}
+# backend -> (module, function) providing that backend's rows (backend_table).
+from sglang_disagg_ext.backend_table import BACKENDS as _BACKENDS  # noqa: E402
+
+_ROW_SOURCES = {b.name: b.selftest_rows for b in _BACKENDS}
 
 
 def collect_rows(backends: List[str], timeout_s: float, options: Optional[TransferOptions] = None,
@@ -239,15 +234,6 @@ def default_backends() -> List[str]:
     return out
 
 
-def format_table(rows: List[Dict]) -> str:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS} if rows else {c: len(c) for c in COLUMNS}
-    lines = ["  ".join(c.ljust(widths[c]) for c in COLUMNS)]
-    lines.append("  ".join("-" * widths[c] for c in COLUMNS))
-    for r in rows:
-        lines.append("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in COLUMNS))
-    return "\n".join(lines)
-
-
 def main(args) -> int:
     policy = releases.current_policy()
     try:
@@ -276,10 +262,22 @@ def main(args) -> int:
                 file=sys.stderr,
             )
             return 2
+    show_progress(sys.stderr)
+    print(f"[selftest] SGLang {policy.version} ({policy.support.value}); backends {', '.join(backends)}; "
+          f"{options.describe()}", file=sys.stderr, flush=True)
     rows = collect_rows(backends, args.timeout, options=options, names=names)
-    failed = [r for r in rows if r["ext"] == "fail"]
+    failed = [r for r in rows if r["ext"] not in ("pass", "n/a")]
+    counts = totals(rows)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({
+            "sglang": policy.version,
+            "support": policy.support.value,
+            "state_layout": policy.layout.value if policy.layout else None,
+            "backends": backends,
+            "transfer": options.describe(),
+            "rows": rows,
+            "totals": counts,
+        }, indent=2))
     else:
         print(f"SGLang {policy.version} ({policy.support.value}, {policy.layout.value} state layout)")
         print(f"transfers: {options.describe()}")
@@ -289,5 +287,8 @@ def main(args) -> int:
         for r in rows:
             if r.get("engine"):
                 print(f"note [{r['scenario']}]: {r['engine']}")
-        print(f"\n{len(rows) - len(failed)} of {len(rows)} -ext scenarios passed")
+        for r in rows:
+            if r["ext"] == "n/a":
+                print(f"not run [{r['scenario']}]: {r['not_run']}")
+        print(f"\n{summary_line(counts)}")
     return 1 if failed else 0

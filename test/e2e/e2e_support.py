@@ -25,20 +25,20 @@ IB_ENV = "SGLANG_DISAGG_EXT_E2E_IB_DEVICE"
 def gpu_skip_reason(needed: int) -> Optional[str]:
     have, how = gpu_count()
     if have < needed:
-        return f"needs {needed} NVIDIA GPU(s), {have} visible ({how})"
+        return f"GPU-only end-to-end test: needs {needed} NVIDIA GPU(s), {have} visible ({how})"
     return None
 
 
 def sglang_skip_reason() -> Optional[str]:
     if importlib.util.find_spec("sglang") is None:
-        return f"SGLang is not installed in {sys.executable}"
+        return f"end-to-end test of a deployment: SGLang is not installed in {sys.executable}"
     return None
 
 
 def model_skip_reason() -> Optional[str]:
     model = os.environ.get(MODEL_ENV)
     if not model:
-        return f"{MODEL_ENV} is not set (a local model folder, e.g. Llama-3.1-8B-Instruct)"
+        return f"end-to-end test against a real model: {MODEL_ENV} is not set (a local model folder, e.g. Llama-3.1-8B-Instruct)"
     if not (Path(model) / "config.json").is_file():
         return f"{MODEL_ENV}={model} is not a model folder (no config.json)"
     return None

@@ -20,6 +20,7 @@ import os
 import sys
 
 import pytest
+from conftest import require_or_skip
 
 import e2e_support as e2e
 
@@ -61,8 +62,9 @@ def colocated_accuracy(tmp_path_factory):
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("backend", ["mooncake-ext", "nixl-ext"])
 def test_pd_gsm8k_matches_colocated(backend, colocated_accuracy, tmp_path):
-    if backend == "nixl-ext" and e2e.nixl_skip_reason():
-        pytest.skip(e2e.nixl_skip_reason())
+    if backend == "nixl-ext":
+        # Every release's venv installs NIXL (requirements/no-deps.txt): a required part.
+        require_or_skip("NIXL", e2e.nixl_skip_reason() is None, e2e.nixl_skip_reason() or "")
     ib = os.environ.get(e2e.IB_ENV)
     extra = ["--ib-device", ib] if ib else (["--protocol", "tcp"] if backend == "mooncake-ext" else [])
     run_dir = tmp_path / "run"

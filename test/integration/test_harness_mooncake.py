@@ -3,12 +3,14 @@
 Each test starts one prefill and one decode process (SGLang's real bootstrap
 server, MooncakeKVManager/Sender/Receiver, a real Mooncake TransferEngine over
 TCP on 127.0.0.1, CPU pools) and checks decode's byte-for-byte verification.
-A run takes roughly 10-20 s on a 2-core machine, most of it imports.
+A run takes about 1 s once the fork server has imported SGLang (harness.procs).
 """
 
 import importlib.util
+import os
 
 import pytest
+from conftest import required_part
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness import (
@@ -23,7 +25,7 @@ from sglang_disagg_ext.selftest.harness import scenario as scenarios
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake transfer engine not installed"),
+    required_part("Mooncake", importlib.util.find_spec("mooncake") is not None, "mooncake transfer engine not installed"),
 ]
 
 STOCK_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
@@ -84,7 +86,9 @@ def test_verification_sees_one_wrong_byte():
     """The check is live: one flipped byte in one page is reported, by page."""
     scn = scenarios.kv_only("tamper", n_pages=3)
     dst = scn.requests[0].dst_kv_pages[1]
-    res = run_scenario(scn, "mooncake", timeout_s=RUN_TIMEOUT, extra_env={"SGLANG_HARNESS_TAMPER": f"kv:{dst}"})
+    hook = os.path.join(os.path.dirname(__file__), os.pardir, "support", "tamper.py")
+    env = {"SGLANG_HARNESS_DECODE_HOOK": f"{os.path.abspath(hook)}:flip_one_byte", "SGLANG_HARNESS_TAMPER": f"kv:{dst}"}
+    res = run_scenario(scn, "mooncake", timeout_s=RUN_TIMEOUT, extra_env=env)
     (req,) = res.requests
     assert req.success, res.describe()
     assert not req.bytes_verified and not res.ok

@@ -7,7 +7,9 @@ checks every destination page byte for byte and that every other page still
 holds its sentinel. Nothing is replaced.
 
 Where the installed release has the bug (``releases.py``: live) stock must
-fail and ext must pass; where the release has the fix, both must pass.
+fail with that scenario's signature (``BuiltinScenario.stock_signature``: the
+failure the live bug produces, never a setup/harness error or a deadline) and
+ext must pass; where the release has the fix, both must pass.
 """
 
 import pytest
@@ -23,7 +25,8 @@ ACTIVE = POLICY.support is releases.Support.ACTIVE
 # On a pass-through release the -ext name runs SGLang's own classes, so only
 # the scenarios SGLang itself handles apply (not the plugin-only failure path).
 SCENARIOS = [s for s in scenarios_for(POLICY) if ACTIVE or not s.plugin_only]
-EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if ACTIVE else "sglang.srt.disaggregation.mooncake.conn."
+STOCK_MODULE = "sglang.srt.disaggregation.mooncake.conn."
+EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if ACTIVE else STOCK_MODULE
 
 
 def _run(builtin, backend):
@@ -38,13 +41,19 @@ def test_stock_vs_ext(builtin):
     stock_ok, stock = _run(builtin, "mooncake")
     ext_ok, ext = _run(builtin, "mooncake-ext")
 
-    assert ext.prefill_manager and ext.prefill_manager.startswith(EXT_MODULE), ext.describe()
-    assert stock.prefill_manager and stock.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), stock.describe()
+    # Both sides' managers: ext runs the plugin's (or, pass-through, SGLang's via the -ext
+    # name), stock runs SGLang's own.
+    for side in ("prefill_manager", "decode_manager"):
+        assert (getattr(ext, side) or "").startswith(EXT_MODULE), ext.describe()
+        assert (getattr(stock, side) or "").startswith(STOCK_MODULE), stock.describe()
     assert ext_ok, ext.describe()
     # Both sides reach a final state within the bound, with ext.
     assert all(not r.timed_out for r in ext.requests), ext.describe()
     if stock_expected == "fail":
         assert not stock_ok, f"stock SGLang {POLICY.version} passed a scenario it should fail:\n{stock.describe()}"
+        # ... and failed the way the live bug does, not through the rig (setup, harness, deadline).
+        why = builtin.stock_signature(stock, POLICY)
+        assert why is None, f"stock failed, but not with the live bug's signature: {why}\n{stock.describe()}"
     else:
         assert stock_ok, stock.describe()
 

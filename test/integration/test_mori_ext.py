@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import require_or_skip
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.scenarios import mori as selftest_mori
@@ -88,8 +89,7 @@ def ext(standin_modules):
 
 def _standin_or_skip():
     ok, detail = selftest_mori.standin_usable()
-    if not ok:
-        pytest.skip(f"the MoRI stand-in cannot copy between processes here: {detail}")
+    require_or_skip("the MoRI stand-in (test/support/mori_standin)", ok, f"cannot copy between processes here: {detail}")
 
 
 def _assert_ok(res):

@@ -15,11 +15,12 @@ import sys
 import textwrap
 
 import pytest
+from conftest import required_part
 
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness import nixl_pacing
 
-pytestmark = pytest.mark.skipif(not engine_importable("nixl"), reason="NIXL is not installed")
+pytestmark = required_part("NIXL", engine_importable("nixl"), "nixl._api does not import")
 
 CHILD = textwrap.dedent(
     r"""

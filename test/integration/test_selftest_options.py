@@ -24,13 +24,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import required_part
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness import run_scenario
 from sglang_disagg_ext.selftest.harness import scenario as scenarios
 
 HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
-NO_MOONCAKE = "Mooncake transfer engine not installed"
+needs_mooncake = required_part("Mooncake", HAS_MOONCAKE, "the mooncake transfer engine is not installed")
 RUN_TIMEOUT = 240  # one harness run: two workers' imports dominate on 2 shared cores
 CLI_TIMEOUT = 2 * RUN_TIMEOUT + 60  # stock + ext of one scenario, plus the CLI's own imports
 
@@ -97,13 +98,13 @@ def test_bad_options_named(args, message):
 
 @pytest.mark.engine
 @pytest.mark.timeout(CLI_TIMEOUT + 30)
-@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@needs_mooncake
 @pytest.mark.skipif(bool(_rdma_devices()), reason=f"this machine has RDMA devices {_rdma_devices()}: RDMA would start")
 def test_protocol_rdma_fails_definitely_in_both_workers():
     name = _first_mooncake_scenario()
     out = _cli("--backend", "mooncake", "--protocol", "rdma", "--scenario", name, "--json", timeout=CLI_TIMEOUT)
     assert out.returncode == 1, (out.stdout[-3000:], out.stderr[-3000:])
-    rows = json.loads(out.stdout)
+    rows = json.loads(out.stdout)["rows"]
     assert [r["scenario"] for r in rows] == [name]  # --scenario: F5 rows not run
     (row,) = rows
     assert row["ext"] == "fail" and row["stock"] == "fail" and row["verified"] is False
@@ -119,7 +120,7 @@ def test_protocol_rdma_fails_definitely_in_both_workers():
 
 @pytest.mark.engine
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
-@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@needs_mooncake
 @pytest.mark.skipif("mlx5_0" in _rdma_devices(), reason="this machine has mlx5_0: the device would be accepted")
 def test_named_ib_device_that_is_absent_fails_naming_it():
     res = run_scenario(
@@ -140,7 +141,7 @@ def test_named_ib_device_that_is_absent_fails_naming_it():
 
 @pytest.mark.engine
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
-@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@needs_mooncake
 def test_default_run_reports_tcp_engine_and_cpu_pools(policy):
     scn = scenarios.with_state("swa-on-cpu", "swa", src_pages=[1, 2], dst_pages=[9, 10])
     res = run_scenario(scn, "mooncake", timeout_s=RUN_TIMEOUT)
@@ -162,13 +163,13 @@ def test_default_run_reports_tcp_engine_and_cpu_pools(policy):
 
 @pytest.mark.engine
 @pytest.mark.timeout(CLI_TIMEOUT + 30)
-@pytest.mark.skipif(not HAS_MOONCAKE, reason=NO_MOONCAKE)
+@needs_mooncake
 def test_explicit_tcp_cpu_row_passes_like_the_default():
     name = _first_mooncake_scenario()
     out = _cli("--backend", "mooncake", "--protocol", "tcp", "--device", "cpu", "--scenario", name, "--json",
                timeout=CLI_TIMEOUT)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-    (row,) = json.loads(out.stdout)
+    (row,) = json.loads(out.stdout)["rows"]
     assert row["scenario"] == name
     assert row["ext"] == "pass" and row["verified"] is True, row
     assert row["engine_transport"] == ["tcp"] and row["pool_devices"] == ["cpu"], row

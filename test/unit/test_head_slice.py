@@ -1,4 +1,4 @@
-"""F4 head slicing and notification keys.
+"""F4 head slicing and notification sender ids.
 
 Every expected table below was written out by hand from SGLang's head
 placement (rank r holds heads [r*H/TP, (r+1)*H/TP) when H >= TP, head
@@ -19,10 +19,10 @@ from sglang_disagg_ext.core.head_slice import (
     HeadSlice,
     build_head_slice_descriptors,
     head_bytes_from_item_len,
-    notification_key,
-    parse_notification_key,
+    notification_sender_id,
     resolve_total_kv_heads,
 )
+from sglang_disagg_ext.core.nixl_notif import with_sender_id
 
 HEAD_BYTES = 256  # head_dim 128 x bf16
 
@@ -378,55 +378,21 @@ def test_validation_matches_placement_rules(P, D, H):
             HeadLayout(P, D, H)
 
 
-# --- notification keys ----------------------------------------------------------
+# --- notification sender ids (tags themselves: test_nixl_notif.py) ----------------
 
 
 @pytest.mark.timeout(10)
-def test_notification_key_formats():
+def test_notification_sender_id():
     assert ENGINE_RANK_LIMIT == 65536
-    assert notification_key(123, "kv", 0, 3, chunk_id=2, is_last=True) == "123_kv_2_1_3"
-    assert notification_key(123, "kv", 1, 3, chunk_id=0, is_last=False) == "123_kv_0_0_65539"
-    assert notification_key(7, "state", 2, 0) == "7_state_131072"
-    assert notification_key(7, "aux_nokv", 1, 0) == "7_aux_nokv_65536"
-
-
-@pytest.mark.timeout(10)
-def test_notification_key_round_trip_and_stock_keys():
-    key = notification_key(2**63 - 1, "kv", 3, 7, chunk_id=11, is_last=True)
-    assert parse_notification_key(key) == (2**63 - 1, "kv", 3, 7, 11, True)
-    assert parse_notification_key(key.encode("ascii")) == parse_notification_key(key)
-    assert parse_notification_key(notification_key(5, "state", 1, 2)) == (5, "state", 1, 2, None, None)
-    assert parse_notification_key(notification_key(5, "aux_nokv", 0, 9)) == (5, "aux_nokv", 0, 9, None, None)
-    # Stock keys: the sender field is the (pp or engine) rank, aux has none.
-    assert parse_notification_key("5_kv_0_1_0") == (5, "kv", 0, 0, 0, True)
-    assert parse_notification_key("5_kv_4_0") == (5, "kv", 0, 0, 4, False)
-    assert parse_notification_key("5_aux") == (5, "aux", None, None, None, None)
-
-
-@pytest.mark.timeout(10)
-@pytest.mark.parametrize(
-    "bad",
-    ["", "abc", "5", "5_kv", "5_kv_x_1_0", "5_kv_0_2_0", "5_kv_0_1_-3", "5_kv_0_1_+3",
-     "5_kv_0_1_2_3", "5_state", "5_state_1_2", "5_aux_nokv", "5_aux_x_1", "5_stg_0_1_0",
-     b"\xff_kv_0_1_0", "5_state_\u0661"],
-)
-def test_parse_notification_key_rejects(bad):
-    with pytest.raises(ValueError, match="not a KV notification key"):
-        parse_notification_key(bad)
-
-
-@pytest.mark.timeout(10)
-def test_notification_key_argument_errors():
-    with pytest.raises(ValueError, match="needs chunk_id and is_last"):
-        notification_key(1, "kv", 0, 0)
-    with pytest.raises(ValueError, match="unknown notification kind"):
-        notification_key(1, "stg", 0, 0)
+    assert notification_sender_id(0, 3) == 3
+    assert notification_sender_id(1, 3) == 65539
+    assert notification_sender_id(2, 0) == 131072
     with pytest.raises(ValueError, match="engine_rank 65536 >= 65536"):
-        notification_key(1, "state", 0, 65536)
+        notification_sender_id(0, 65536)
     with pytest.raises(ValueError, match="pp_rank must be a non-negative int"):
-        notification_key(1, "state", -1, 0)
-    with pytest.raises(ValueError, match="chunk_id/is_last apply to kv"):
-        notification_key(1, "state", 0, 0, chunk_id=1)
+        notification_sender_id(-1, 0)
+    with pytest.raises(ValueError, match="engine_rank must be a non-negative int"):
+        notification_sender_id(0, True)
 
 
 def _stock_0_5_11_sender(key: str) -> int:
@@ -446,13 +412,9 @@ def _stock_0_5_12_sender(key: str) -> int:
 @pytest.mark.timeout(10)
 def test_keys_unique_per_prefill_rank_as_stock_decode_reads_them():
     # Prefill PP 4 x TP 8 all reporting chunk 0 of room 42 to a decode with PP 1.
-    keys = [
-        notification_key(42, "kv", pp, tp, chunk_id=0, is_last=True)
-        for pp in range(4)
-        for tp in range(8)
-    ]
+    # The stock 0.5.11 tag of that chunk carries pp_rank (0) as its sender field.
+    keys = [with_sender_id("42_kv_0_1_0", pp, tp) for pp in range(4) for tp in range(8)]
     assert len({_stock_0_5_11_sender(k) for k in keys}) == 32
     assert len({_stock_0_5_12_sender(k) for k in keys}) == 32
-    assert len({parse_notification_key(k)[2:4] for k in keys}) == 32
     # The stock PP=1 bug: four TP ranks, one pp_rank, one key. Ours: four.
-    assert len({notification_key(42, "kv", 0, tp, chunk_id=0, is_last=True) for tp in range(4)}) == 4
+    assert len({with_sender_id("42_kv_0_1_0", 0, tp) for tp in range(4)}) == 4

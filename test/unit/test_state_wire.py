@@ -77,6 +77,99 @@ def test_mem_descs_per_component_round_trip(descs):
     assert decode_mem_descs_per_component(encode_mem_descs_per_component(descs)) == descs
 
 
+# --- golden encodings (fixed bytes) ------------------------------------------------------
+#
+# Written by hand from docs/mori.md ("Wire format") and the msgpack spec, never produced by the
+# code under test: 53 44 57 c1 = magic b"SDW\xc1", 01 = version 1 (the only version), then the
+# kind byte (49 "I" state indices, 4c "L" per-component ints, 44 "D" memory descriptors), then
+# the msgpack body. msgpack: c0 nil; 9N fixarray of N; c4 LL bin8, c5 HHLL bin16; 00-7f
+# positive fixint; cc uint8, cd uint16, ce uint32, cf uint64 (big-endian, smallest that fits).
+# Indices are int32 little-endian inside bin. A change on either side that a round trip would
+# not notice (a mixed-version peer) breaks these.
+
+V1 = "53 44 57 c1 01"
+# Indices 0..63 as int32 LE: 256 bytes, so the bin16 header c5 01 00.
+INDICES_0_TO_63 = " ".join(f"{i:02x} 00 00 00" for i in range(64))
+
+GOLDEN_STATE_INDICES = [
+    # no state at all: nil body
+    (None, V1 + " 49 c0"),
+    # zero components
+    ([], V1 + " 49 90"),
+    # [3, 7], component missing, empty component
+    ([[3, 7], None, []], V1 + " 49 93 c4 08 03 00 00 00 07 00 00 00 c0 c4 00"),
+    # int32 extremes: -1, -2**31, 2**31 - 1
+    ([[-1, -(2**31), 2**31 - 1]], V1 + " 49 91 c4 0c ff ff ff ff 00 00 00 80 ff ff ff 7f"),
+    # a bin16-sized component
+    ([list(range(64))], V1 + " 49 91 c5 01 00 " + INDICES_0_TO_63),
+]
+
+GOLDEN_INTS = [
+    ([], V1 + " 4c 90"),
+    # item lengths 96, 32 | 128, 4096 | nothing (a component with no tensors)
+    ([[96, 32], [128, 4096], []], V1 + " 4c 93 92 60 20 92 cc 80 cd 10 00 90"),
+    # width boundaries: 127 fixint, 255 uint8, 65535 uint16, 65536 uint32, 2**32 and 2**63 - 1 uint64
+    (
+        [[0, 127, 255, 65535], [65536, 2**32, 2**63 - 1]],
+        V1 + " 4c 92 94 00 7f cc ff cd ff ff 93 ce 00 01 00 00 cf 00 00 00 01 00 00 00 00"
+        " cf 7f ff ff ff ff ff ff ff",
+    ),
+]
+
+GOLDEN_MEM_DESCS = [
+    ([], V1 + " 44 90"),
+    # one packed descriptor and an unregistered zero-length tensor | a component with none
+    ([[b"\x01\x02", None], []], V1 + " 44 92 92 c4 02 01 02 c0 90"),
+    # an empty packed descriptor stays bytes (c4 00), distinct from nil
+    ([[b"", b"\xc1"]], V1 + " 44 91 92 c4 00 c4 01 c1"),
+]
+
+
+def _b(hex_text: str) -> bytes:
+    return bytes.fromhex(hex_text)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("value,hex_text", GOLDEN_STATE_INDICES)
+def test_state_indices_golden(value, hex_text):
+    assert encode_state_indices(value) == _b(hex_text)
+    got = decode_state_indices(_b(hex_text))
+    if value is None:
+        assert got is None
+    else:
+        assert [None if a is None else a.tolist() for a in got] == value
+        assert all(a is None or a.dtype == np.int32 for a in got)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("value,hex_text", GOLDEN_INTS)
+def test_ints_per_component_golden(value, hex_text):
+    assert encode_ints_per_component(value) == _b(hex_text)
+    assert decode_ints_per_component(_b(hex_text)) == value
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("value,hex_text", GOLDEN_MEM_DESCS)
+def test_mem_descs_per_component_golden(value, hex_text):
+    assert encode_mem_descs_per_component(value) == _b(hex_text)
+    assert decode_mem_descs_per_component(_b(hex_text)) == value
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "hex_text,decode",
+    [
+        # version byte 02: a future peer, refused by name, not misread as v1
+        ("53 44 57 c1 02 49 c0", decode_state_indices),
+        ("53 44 57 c1 02 4c 90", decode_ints_per_component),
+        ("53 44 57 c1 02 44 90", decode_mem_descs_per_component),
+    ],
+)
+def test_golden_header_with_another_version_refused(hex_text, decode):
+    with pytest.raises(StateWireError, match="state wire version 2 from peer; this side speaks 1"):
+        decode(_b(hex_text))
+
+
 @pytest.mark.timeout(10)
 def test_missing_component_distinct_from_empty():
     got = decode_state_indices(encode_state_indices([None, [], [4]]))

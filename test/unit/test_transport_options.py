@@ -184,7 +184,7 @@ def test_compare_buffer_takes_a_tensor():
 
     Only a CPU tensor exists here; a GPU tensor takes the same ``.cpu()`` path.
     """
-    torch = pytest.importorskip("torch", reason="torch is part of every SGLang venv")
+    import torch  # part of every SGLang venv: an ImportError is a failure
     # Decode page 2 must hold prefill page 0; page 1 must keep the sentinel.
     exp = patterns.PoolExpectation(pool_id=0, name="kv", num_pages=3, writes={2: 0}, sentinel_pages=[1])
     item = 8

@@ -1,7 +1,7 @@
 """Real-engine transfer harness: prefill -> decode through SGLang's own classes.
 
-``run_scenario(scenario, backend)`` starts one prefill and one decode child
-process (``harness.worker``), runs the scenario's requests through the real
+``run_scenario(scenario, backend)`` starts one worker process per prefill and
+decode rank (``harness.worker``, forked from a warm fork server: ``procs``), runs the scenario's requests through the real
 bootstrap server, manager, sender and receiver of ``backend`` on CPU pools and
 a real transfer engine over loopback TCP, and returns a ``ScenarioResult``
 with each side's final KVPoll state and decode's byte-for-byte verification.

@@ -1,4 +1,4 @@
-"""Test-only: let *stock* NIXL code register and address host memory.
+"""Self-test rig only (never the plugin): let *stock* NIXL code register and address host memory.
 
 Stock 0.5.10.post1 - 0.5.12.x register KV and state buffers as "VRAM" and
 build every KV/state descriptor list as "VRAM". On a machine whose UCX has no
@@ -11,6 +11,9 @@ exists: from then on the NIXL agent class treats "VRAM" as "DRAM" (device id
 variable, only for the stock side of a scenario whose point is not memory
 kinds; ``-ext`` runs never get it (the plugin registers host memory itself).
 The SWA-from-host-memory scenario runs stock without it and shows the failure.
+It ships with the self-test because the operator's ``selftest`` runs the same
+stock rows on CPU pools; 0.5.23 also hands its strided (N x 5) lists straight
+to ``prep_xfer_dlist``, so that call is rewritten the same way.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ def install() -> str:
     register_memory = nixl_agent.register_memory
     get_xfer_descs = nixl_agent.get_xfer_descs
 
+    prep_xfer_dlist = nixl_agent.prep_xfer_dlist
+
     def _host(descs):
-        if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
+        # (addr, len, dev) rows, or 0.5.23's strided (addr, len, dev, stride, count) rows.
+        if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] in (3, 5):
             descs = descs.copy()
             descs[:, 2] = 0
             return descs
@@ -53,7 +59,13 @@ def install() -> str:
             descs, mem_type = _host(descs), "DRAM"
         return get_xfer_descs(self, descs, mem_type, *args, **kwargs)
 
+    def prep_xfer_dlist_host(self, agent_name, xfer_list, mem_type=None, *args, **kwargs):
+        if mem_type == "VRAM":
+            xfer_list, mem_type = _host(xfer_list), "DRAM"
+        return prep_xfer_dlist(self, agent_name, xfer_list, mem_type, *args, **kwargs)
+
     nixl_agent.register_memory = register_memory_host
     nixl_agent.get_xfer_descs = get_xfer_descs_host
+    nixl_agent.prep_xfer_dlist = prep_xfer_dlist_host
     nixl_agent._harness_host_memory = True
     return "nixl host-memory shim: VRAM registrations and descriptors treated as DRAM (stock run, test only)"

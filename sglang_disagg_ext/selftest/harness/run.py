@@ -1,12 +1,13 @@
-"""Parent side of the transfer harness: start one prefill and one decode child.
+"""Parent side of the transfer harness: start the prefill and decode workers of one scenario.
 
     from sglang_disagg_ext.selftest.harness import run_scenario, scenario
     res = run_scenario(scenario.kv_only(), "mooncake")
     assert res.ok, res.describe()
 
-The children are ``python -m sglang_disagg_ext.selftest.harness.worker`` processes, each
-in its own session/process group, running against the SGLang installed in the
-interpreter given (``sys.executable`` by default). Every wait is bounded; on
+The workers are ``sglang_disagg_ext.selftest.harness.worker`` processes, one
+per rank, each in its own session/process group, running against the SGLang
+installed in the interpreter given (``sys.executable`` by default), forked
+from a warm fork server where possible (``procs``). Every wait is bounded; on
 every exit path the parent kills exactly the processes it started (their
 process groups) and nothing else.
 """
@@ -18,23 +19,23 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from .procs import Child, ForkedChild, spawn
 from .scenario import Scenario
 from .transport import TransferOptions, engine_env
 
-LOG_TAIL_CHARS = 6000
+FINAL = ("Success", "Failed")
+
 # Mooncake's P2P handshake and TCP transport pick ports in about 12000-17999.
 _AVOID = (12000, 17999)
 _KEEP_ENV = "SGLANG_HARNESS_KEEP"
 # Env that must not leak from the parent into stock runs (registration.py).
-_STRIP_ENV = ("SGLANG_DISAGG_EXT_BACKEND", "SGLANG_HARNESS_TAMPER")
+_STRIP_ENV = ("SGLANG_DISAGG_EXT_BACKEND", "SGLANG_HARNESS_DECODE_HOOK", "SGLANG_HARNESS_TAMPER")
 
 
 @dataclasses.dataclass
@@ -72,6 +73,19 @@ class RequestResult:
         final = ("Success", "Failed")
         return self.prefill_status not in final or self.decode_status not in final
 
+    def failed_within(self, bound_s: float) -> bool:
+        """Both sides reached Failed, each with a reason, within ``bound_s`` of their start."""
+        return (
+            self.prefill_status == "Failed"
+            and self.decode_status == "Failed"
+            and bool(self.prefill_failure_reason)
+            and bool(self.decode_failure_reason)
+            and self.prefill_seconds is not None
+            and self.decode_seconds is not None
+            and self.prefill_seconds <= bound_s
+            and self.decode_seconds <= bound_s
+        )
+
 
 @dataclasses.dataclass
 class ScenarioResult:
@@ -89,6 +103,9 @@ class ScenarioResult:
     state_layout: Optional[str] = None
     state_types: List[str] = dataclasses.field(default_factory=list)
     exit_codes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
+    # Per worker: "forked" (from the warm fork server) or "fresh" (a new interpreter), and its PID.
+    launch: Dict[str, str] = dataclasses.field(default_factory=dict)
+    pids: Dict[str, int] = dataclasses.field(default_factory=dict)
     killed: List[str] = dataclasses.field(default_factory=list)
     prefill_log_tail: str = ""
     decode_log_tail: str = ""
@@ -241,68 +258,12 @@ def child_env(
     return env
 
 
-class _Child:
-    def __init__(self, role: str, cmd: List[str], env: Dict[str, str], log_path: str, cwd: str):
-        self.role = role
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.pgid = self.proc.pid  # start_new_session: the child leads its own session and group
-        self.killed = False
+# Kept for bench/transfer.py: a worker in a fresh interpreter.
+_Child = Child
 
-    def poll(self) -> Optional[int]:
-        return self.proc.poll()
-
-    def _group_alive(self) -> bool:
-        """Any process left in our child's session/group (e.g. after the leader exited)."""
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2 :].split()
-            # fields[2] = pgrp, fields[3] = session
-            if int(fields[2]) == self.pgid and int(fields[3]) == self.pgid:
-                return True
-        return False
-
-    def kill(self) -> bool:
-        """SIGKILL the child's process group if anything of it is still there."""
-        did = False
-        if self.proc.poll() is None or self._group_alive():
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-                did = True
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd
-            pass
-        self.killed = self.killed or did
-        return did
-
-    def close(self) -> None:
-        try:
-            self._log.close()
-        except OSError:
-            pass
-
-    def tail(self, n: int = LOG_TAIL_CHARS) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - n))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+WORKER_MODULE = "sglang_disagg_ext.selftest.harness.worker"
+SETUP_DEATH_GRACE_S = 3.0
+TAIL_PER_RANK = 2000
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
@@ -314,8 +275,23 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 
 
 def default_timeout(scn: Scenario) -> float:
+    """The whole run's bound: startup, every request, and 15 s per process beyond two
+    (imports and gloo rendezvous of every rank share two cores)."""
     t = scn.timeouts
-    return t.startup_s + len(scn.requests) * (t.request_s + 2.0) + 20.0
+    n_children = scn.prefill_tp + scn.decode_tp
+    return t.startup_s + len(scn.requests) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2)
+
+
+def rank_names(scn: Scenario) -> List[str]:
+    """Worker names: ``prefill``/``decode`` for one rank a side, else ``prefill0``, ``decode1`` ..."""
+    if not scn.multi_rank:
+        return ["prefill", "decode"]
+    return [f"prefill{r}" for r in range(scn.prefill_tp)] + [f"decode{d}" for d in range(scn.decode_tp)]
+
+
+def _role_rank(name: str):
+    role = name.rstrip("0123456789")
+    return role, int(name[len(role):] or 0)
 
 
 def run_scenario(
@@ -333,31 +309,35 @@ def run_scenario(
     device: str = "cpu",
     ib_device: Optional[str] = None,
 ) -> ScenarioResult:
-    """Run ``scenario`` prefill -> decode through ``backend`` in two child processes.
+    """Run ``scenario`` through ``backend``: ``prefill_tp`` prefill and ``decode_tp`` decode workers.
 
     ``backend`` is the name given to ``--disaggregation-transfer-backend``
     (``"mooncake"``, ``"mooncake-ext"`` ...). ``load_plugin``: "auto" loads
-    ``sglang_disagg_ext.registration.load_plugin`` in the children for -ext
+    ``sglang_disagg_ext.registration.load_plugin`` in the workers for -ext
     names only, "yes" always, "no" never. ``python``: the interpreter (and so
-    the SGLang release) the children run; default ``sys.executable``.
+    the SGLang release) the workers run; default ``sys.executable``.
     ``timeout_s`` bounds the whole run (default from the scenario's timeouts).
     ``keep_dir``: keep the run directory (logs, results); default: only when
     ``$SGLANG_HARNESS_KEEP`` is set. ``decode_backend``: a different backend
-    name for the decode child (mixed-peer runs, e.g. ``mori-ext`` prefill with
+    name for the decode workers (mixed-peer runs, e.g. ``mori-ext`` prefill with
     a stock ``mori`` decode); default ``backend``. ``protocol`` (tcp, rdma),
-    ``device`` (cpu, cuda, cuda:N), ``ib_device``: how the children start
+    ``device`` (cpu, cuda, cuda:N), ``ib_device``: how the workers start
     their engines and where they build their pools (``harness.transport``);
     an option that cannot be honoured ends the run with an error naming it.
+
+    One rank a side is the 1x1 case of the same launcher: its workers are
+    named ``prefill`` and ``decode``. With more, the prefill ranks form one
+    real gloo group of size P, the decode ranks one of size D, as SGLang's
+    schedulers have them; prefill rank 0 runs the bootstrap server; each
+    rank's KV pool holds its share of the model's ``kv.head_num`` KV heads and
+    decode ranks check every element of their heads. A request's prefill
+    (decode) status is Success only when every prefill (decode) rank reached
+    Success, Failed when every rank ended and one Failed, otherwise the first
+    non-final state seen; per-rank details are in ``rank_status``, the mismatch
+    and error lines, ``exit_codes`` and ``timings``.
     """
     scenario.validate()
     options = TransferOptions(protocol, device, ib_device).validated()
-    if getattr(scenario, "multi_rank", False):  # prefill_tp / decode_tp > 1: one process per rank
-        from .ranks import run_ranks
-
-        return run_ranks(
-            scenario, backend, timeout_s, load_plugin=load_plugin, python=python, keep_dir=keep_dir,
-            extra_env=extra_env, workdir=workdir, decode_backend=decode_backend, options=options,
-        )
     timeout_s = default_timeout(scenario) if timeout_s is None else float(timeout_s)
     if keep_dir is None:
         keep_dir = bool(os.environ.get(_KEEP_ENV))
@@ -365,39 +345,50 @@ def run_scenario(
     deadline = t0 + timeout_s
     run_dir = tempfile.mkdtemp(prefix=f"harness-{_safe(scenario.name)}-", dir=workdir)
     result = ScenarioResult(scenario=scenario.name, backend=backend, transfer=dataclasses.asdict(options))
-    children: Dict[str, _Child] = {}
+    children: Dict[str, Any] = {}
+    names = rank_names(scenario)
     try:
-        model_dir = os.path.join(run_dir, "model")
-        os.makedirs(model_dir)
         from .sglang_setup import model_config_json
 
+        model_dir = os.path.join(run_dir, "model")
+        os.makedirs(model_dir)
+        config = model_config_json(scenario)
+        # q heads must split over the larger TP size too (GQA: q heads >= KV heads).
+        config["num_attention_heads"] = max(
+            scenario.kv.head_num, scenario.prefill_tp, scenario.decode_tp, config["num_attention_heads"]
+        )
         with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(model_config_json(scenario), f)
+            json.dump(config, f)
         scn_path = os.path.join(run_dir, "scenario.json")
         with open(scn_path, "w") as f:
             f.write(scenario.to_json())
         port = find_free_port()
         env = child_env(scenario, extra_env, options)
-        done_files = {role: os.path.join(run_dir, f"{role}.done") for role in ("prefill", "decode")}
         exe = python or sys.executable
-        for role in ("prefill", "decode"):
-            cmd = [
-                exe, "-m", "sglang_disagg_ext.selftest.harness.worker",
+        done = {name: os.path.join(run_dir, f"{name}.done") for name in names}
+        first_decode = next(n for n in names if n.startswith("decode"))
+        prefills = [n for n in names if n.startswith("prefill")]
+        for name in names:
+            role, rank = _role_rank(name)
+            args = [
                 "--role", role,
+                "--tp-rank", str(rank),
                 "--scenario", scn_path,
                 "--backend", decode_backend if role == "decode" and decode_backend else backend,
                 "--bootstrap-port", str(port),
                 "--model-dir", model_dir,
                 "--dist-init", "file://" + os.path.join(run_dir, f"{role}.dist"),
-                "--result", os.path.join(run_dir, f"{role}.json"),
-                "--done-file", done_files[role],
-                "--done-files", os.pathsep.join(done_files.values()),
+                "--result", os.path.join(run_dir, f"{name}.json"),
+                "--done-file", done[name],
+                "--done-files", os.pathsep.join(done.values()),
                 "--load-plugin", load_plugin,
                 "--max-seconds", str(round(timeout_s + 15.0, 1)),
             ] + options.worker_args()
             if role == "prefill":
-                cmd += ["--peer-result", os.path.join(run_dir, "decode.json")]
-            children[role] = _Child(role, cmd, env, os.path.join(run_dir, f"{role}.log"), run_dir)
+                args += ["--peer-result", os.path.join(run_dir, f"{first_decode}.json")]
+            elif scenario.multi_rank:
+                args += ["--ready-files", os.pathsep.join(os.path.join(run_dir, f"{p}.json") for p in prefills)]
+            children[name] = spawn(name, exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
 
         _wait_children(children, run_dir, deadline, scenario)
         if time.monotonic() >= deadline and any(c.poll() is None for c in children.values()):
@@ -424,88 +415,130 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
 
 
-def _wait_children(children: Dict[str, _Child], run_dir: str, deadline: float, scn: Scenario) -> None:
-    """Wait for both children, bounded by ``deadline``; stop early when one side
-    is gone and the other can only wait out its own timeouts.
+def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn: Scenario) -> None:
+    """Wait for every worker, bounded by ``deadline``; stop early when the rest can only
+    wait out their own timeouts:
 
-    * prefill gone before decode finished: decode can still finish what is in
-      flight, so it gets SGLang's waiting timeout plus a margin (3 s when the
-      prefill never got to its requests);
-    * decode gone first: nobody consumes prefill's work; 3 s.
+    * a worker died in setup (no result, or an error before any request): the
+      others would wait for it; 3 s;
+    * every decode gone while a prefill runs: nobody consumes prefill's work; 3 s;
+    * every prefill gone while a decode runs: decode can still finish what is
+      in flight, so it gets SGLang's waiting timeout plus a margin (3 s when
+      the prefill never got to its requests).
     """
     gone_since: Dict[str, float] = {}
+    setup_death = None
     while time.monotonic() < deadline:
-        states = {role: c.poll() for role, c in children.items()}
+        states = {name: c.poll() for name, c in children.items()}
         if all(v is not None for v in states.values()):
             return
         now = time.monotonic()
-        for role, rc in states.items():
-            if rc is not None:
-                gone_since.setdefault(role, now)
-        if "decode" in gone_since and states["prefill"] is None:
-            if now - gone_since["decode"] > 3.0:
+        results = {}
+        for name, rc in states.items():
+            if rc is None:
+                continue
+            gone_since.setdefault(name, now)
+            res = results[name] = _read_json(os.path.join(run_dir, f"{name}.json")) or {}
+            if not res or (res.get("error") and not res.get("requests")):
+                setup_death = setup_death or now
+        if setup_death is not None and now - setup_death > SETUP_DEATH_GRACE_S:
+            return
+        by_role: Dict[str, List[str]] = {"prefill": [], "decode": []}
+        for name in states:
+            by_role[_role_rank(name)[0]].append(name)
+        alive = {role: any(states[n] is None for n in ns) for role, ns in by_role.items()}
+        if not alive["decode"] and alive["prefill"]:
+            if now - max(gone_since[n] for n in by_role["decode"]) > 3.0:
                 return
-        if "prefill" in gone_since and states["decode"] is None:
-            res = _read_json(os.path.join(run_dir, "prefill.json")) or {}
-            grace = 3.0 if not res.get("requests") else scn.timeouts.sglang_waiting_s + 5.0
-            if now - gone_since["prefill"] > grace:
+        if not alive["prefill"] and alive["decode"]:
+            served = any(results.get(n, {}).get("requests") for n in by_role["prefill"])
+            grace = scn.timeouts.sglang_waiting_s + 5.0 if served else 3.0
+            if now - max(gone_since[n] for n in by_role["prefill"]) > grace:
                 return
         time.sleep(0.05)
 
 
-def _kill_all(children: Dict[str, _Child], result: ScenarioResult) -> None:
+def _kill_all(children: Dict[str, Any], result: ScenarioResult) -> None:
     for role, c in children.items():
         if c.kill() and role not in result.killed:
             result.killed.append(role)
 
 
-def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict[str, _Child]) -> None:
-    side = {role: _read_json(os.path.join(run_dir, f"{role}.json")) or {} for role in ("prefill", "decode")}
-    for role, c in children.items():
-        result.exit_codes[role] = c.proc.returncode
-        setattr(result, f"{role}_log_tail", c.tail())
-    p, d = side["prefill"], side["decode"]
-    result.sglang_version = p.get("sglang_version") or d.get("sglang_version")
-    result.backend_effective = p.get("backend_effective") or d.get("backend_effective")
-    result.prefill_manager = p.get("manager_class")
-    result.decode_manager = d.get("manager_class")
-    result.classes = {role: side[role].get("classes", {}) for role in side}
-    result.timings = {role: side[role].get("timings", {}) for role in side}
-    result.engines = {role: side[role].get("engine") for role in side}
-    result.pool_devices = {role: pool_devices(side[role]) for role in side}
-    kv_args = p.get("kv_args") or d.get("kv_args") or {}
+def _combine(statuses: List[Optional[str]]) -> Optional[str]:
+    if statuses and all(s == "Success" for s in statuses):
+        return "Success"
+    if statuses and all(s in FINAL for s in statuses):
+        return "Failed"
+    return next((s for s in statuses if s not in FINAL), None)
+
+
+def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict[str, Any]) -> None:
+    names = rank_names(scn)
+    multi = scn.multi_rank
+    side = {name: _read_json(os.path.join(run_dir, f"{name}.json")) or {} for name in names}
+    for name, c in children.items():
+        result.exit_codes[name] = c.returncode
+        result.launch[name] = "forked" if isinstance(c, ForkedChild) else "fresh"
+        result.pids[name] = c.pid
+    tails: Dict[str, List[str]] = {"prefill": [], "decode": []}
+    for name in names:
+        if name in children:
+            role = _role_rank(name)[0]
+            tails[role].append(f"--- {name} ---\n{children[name].tail(TAIL_PER_RANK)}" if multi else children[name].tail())
+    result.prefill_log_tail = "\n".join(tails["prefill"])
+    result.decode_log_tail = "\n".join(tails["decode"])
+    prefills = [n for n in names if n.startswith("prefill")]
+    decodes = [n for n in names if n.startswith("decode")]
+    p0, d0 = side[prefills[0]], side[decodes[0]]
+    result.sglang_version = p0.get("sglang_version") or d0.get("sglang_version")
+    result.backend_effective = p0.get("backend_effective") or d0.get("backend_effective")
+    result.prefill_manager = p0.get("manager_class")
+    result.decode_manager = d0.get("manager_class")
+    result.classes = {name: side[name].get("classes", {}) for name in names}
+    result.timings = {name: side[name].get("timings", {}) for name in names}
+    result.engines = {name: side[name].get("engine") for name in names}
+    result.pool_devices = {name: pool_devices(side[name]) for name in names}
+    kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])
     errors = []
-    for role in ("prefill", "decode"):
-        if side[role].get("error"):
-            errors.append(f"{role}: {_last_line(side[role]['error'])}")
-        elif role in children and not side[role]:
-            errors.append(f"{role}: no result (exit code {children[role].proc.returncode})")
+    for name in names:
+        if side[name].get("error"):
+            errors.append(f"{name}: {_last_line(side[name]['error'])}")
+        elif name in children and not side[name]:
+            errors.append(f"{name}: no result (exit code {children[name].returncode})")
     if errors:
         result.error = "; ".join(([result.error] if result.error else []) + errors)
-    preqs = {r["index"]: r for r in p.get("requests", [])}
-    dreqs = {r["index"]: r for r in d.get("requests", [])}
+    reqs = {name: {r["index"]: r for r in side[name].get("requests", [])} for name in names}
+
+    def tag(name: str, text: str) -> str:  # one rank a side: lines as the worker wrote them
+        return f"{name}: {text}" if multi else text
+
     for i in range(len(scn.requests)):
-        pr, dr = preqs.get(i, {}), dreqs.get(i, {})
         rr = RequestResult(index=i, room=scn.room_of(i))
-        rr.prefill_status = pr.get("status")
-        rr.decode_status = dr.get("status")
-        rr.prefill_seconds = pr.get("seconds")
-        rr.decode_seconds = dr.get("seconds")
-        rr.bytes_verified = bool(dr.get("bytes_verified", False))
-        rr.mismatches = list(dr.get("mismatches", []))
-        if not dr:
-            rr.mismatches.append("decode did not verify this request (no decode result)")
-        errs = [f"{role}: {x['error']}" for role, x in (("prefill", pr), ("decode", dr)) if x.get("error")]
+        per = {name: reqs[name].get(i, {}) for name in names}
+        rr.prefill_status = _combine([per[n].get("status") for n in prefills])
+        rr.decode_status = _combine([per[n].get("status") for n in decodes])
+        secs = [per[n].get("seconds") for n in prefills if per[n].get("seconds") is not None]
+        rr.prefill_seconds = max(secs) if secs else None
+        secs = [per[n].get("seconds") for n in decodes if per[n].get("seconds") is not None]
+        rr.decode_seconds = max(secs) if secs else None
+        rr.bytes_verified = all(bool(per[n].get("bytes_verified", False)) for n in decodes)
+        for n in decodes:
+            if not per[n]:
+                rr.mismatches.append(f"{n} did not verify this request (no {n} result)")
+            rr.mismatches += [tag(n, m) for m in per[n].get("mismatches", [])]
+        errs = [f"{n}: {per[n]['error']}" for n in names if per[n].get("error")]
         rr.error = "\n".join(errs) or None
-        rr.prefill_failure_reason = pr.get("failure_reason")
-        rr.decode_failure_reason = dr.get("failure_reason")
-        rr.prefill_log = pr.get("log", [])
-        rr.decode_log = dr.get("log", [])
-        rr.thread_errors = [f"prefill {t}" for t in pr.get("thread_errors", [])] + [
-            f"decode {t}" for t in dr.get("thread_errors", [])
-        ]
+        reasons = [tag(n, per[n]["failure_reason"]) for n in prefills if per[n].get("failure_reason")]
+        rr.prefill_failure_reason = "; ".join(reasons) or None
+        reasons = [tag(n, per[n]["failure_reason"]) for n in decodes if per[n].get("failure_reason")]
+        rr.decode_failure_reason = "; ".join(reasons) or None
+        rr.prefill_log = [tag(n, x) for n in prefills for x in per[n].get("log", [])]
+        rr.decode_log = [tag(n, x) for n in decodes for x in per[n].get("log", [])]
+        rr.thread_errors = [f"{n} {t}" for n in names for t in per[n].get("thread_errors", [])]
+        rr.rank_status = {n: per[n].get("status") for n in names}
+        rr.rank_phases = {n: per[n].get("phases", {}) for n in names}
         result.requests.append(rr)
 
 

@@ -5,8 +5,8 @@ schedulers build -- ``ServerArgs``, one-rank process groups, the shared Mooncake
 engine, KV pool, metadata buffers, ``KVArgs``, the backend's manager, sender and
 receiver -- and asks this module how to do each step on the installed release.
 Release facts come from ``sglang_disagg_ext.releases`` (state layout) and from
-feature checks on the installed SGLang; nothing else in the harness compares
-versions.
+its feature probes (``releases.features()``); nothing else in the harness
+compares versions or probes SGLang's code.
 
 References (``file:line`` in the release named):
   * KVArgs filling: ``disaggregation/prefill.py::_init_kv_manager`` and
@@ -108,11 +108,7 @@ def is_flat() -> bool:
 
 
 def _has_runtime_context() -> bool:
-    try:
-        import sglang.srt.runtime_context  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return releases.features().runtime_context
 
 
 # -- plugin -----------------------------------------------------------------------
@@ -170,9 +166,8 @@ def make_server_args(
     # 0.5.13+ check their arguments (the IB device among them) when resolved, not
     # when built; resolving here makes every release refuse bad arguments at this
     # step, as the launcher does before any process starts. Idempotent there.
-    resolve_once = getattr(server_args, "resolve_once", None)
-    if resolve_once is not None:
-        resolve_once()
+    if releases.features().server_args_resolve_once:
+        server_args.resolve_once()
     return server_args
 
 
@@ -292,7 +287,9 @@ def init_shared_engines(server_args, gpu_id: int = 0, protocol: str = "tcp") -> 
         from sglang.srt.utils.network import get_local_ip_auto
 
         _record_mooncake_initialize()
-        ib_device = server_args.disaggregation_ib_device or getattr(server_args, "mooncake_ib_device", None)
+        ib_device = server_args.disaggregation_ib_device
+        if not ib_device and releases.features().server_args_mooncake_ib_device:
+            ib_device = server_args.mooncake_ib_device
         try:
             init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id, ib_device=ib_device)
         except Exception as exc:
@@ -391,11 +388,8 @@ def mha_pool_tensors(pool) -> list:
 def make_metadata_buffers(rows: int, hidden_size: int, dtype):
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
-    import inspect
-
-    params = inspect.signature(MetadataBuffers.__init__).parameters
     kwargs = {}
-    if "max_sampling_mask_tokens" in params:  # 0.5.2x
+    if releases.features().metadata_buffers_sampling_mask:  # 0.5.2x
         kwargs["max_sampling_mask_tokens"] = 0
     return MetadataBuffers(rows, hidden_size, dtype, **kwargs)
 
@@ -453,11 +447,8 @@ def state_type_for(kind: str):
     raise ValueError(f"SGLang {sglang_version()} has no StateType for state kind {kind!r}")
 
 
-def _kv_args_fields(kv_args) -> set:
-    names = set()
-    for klass in type(kv_args).__mro__:
-        names.update(getattr(klass, "__annotations__", {}))
-    return names
+def _kv_args_fields(kv_args) -> frozenset:
+    return releases.declared_fields(type(kv_args))
 
 
 def fill_kv_args(
@@ -483,27 +474,30 @@ def fill_kv_args(
     from sglang.srt.disaggregation import utils as dutils
 
     fields = _kv_args_fields(kv_args)
+    feats = releases.features()
     kv_args.engine_rank = engine_rank  # the TP rank, as prefill.py/decode.py set it
     kv_args.pp_rank = 0
     kv_args.system_dp_rank = 0
     if "kv_cache_dtype_str" in fields:  # 0.5.2x
         kv_args.kv_cache_dtype_str = server_args.kv_cache_dtype
     if "kv_layout" in fields:
-        kv_args.kv_layout = dutils.get_pd_kv_layout(kv_pool) if hasattr(dutils, "get_pd_kv_layout") else None
+        kv_args.kv_layout = dutils.get_pd_kv_layout(kv_pool) if feats.pd_kv_layout else None
     if "rust_http_port" in fields and role == "prefill":
         kv_args.rust_http_port = None
     if role == "prefill":
         kv_args.prefill_start_layer = kv_pool.start_layer
         if "mla_compression_ratios" in fields:
             kv_args.mla_compression_ratios = None
-    buf_infos = getattr(dutils, "get_kv_transfer_buf_infos", None)
-    ptrs, lens, items = buf_infos(kv_pool) if buf_infos else kv_pool.get_contiguous_buf_infos()
+    if feats.kv_transfer_buf_infos:
+        ptrs, lens, items = dutils.get_kv_transfer_buf_infos(kv_pool)
+    else:
+        ptrs, lens, items = kv_pool.get_contiguous_buf_infos()
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
     if role == "prefill" and "prefill_end_layer" in fields:
         kv_args.prefill_end_layer = getattr(kv_pool, "end_layer", None)
     if "num_draft_entries" in fields:
         kv_args.num_draft_entries = 0
-    if "kv_layer_ids" in fields and hasattr(dutils, "build_kv_layer_ids"):
+    if "kv_layer_ids" in fields and feats.build_kv_layer_ids:
         kv_args.kv_layer_ids = dutils.build_kv_layer_ids(
             token_to_kv_pool=kv_pool, draft_token_to_kv_pool=None, num_draft_entries=0, num_hidden_layers=num_layers
         )
@@ -593,9 +587,7 @@ def make_manager(manager_class, kv_args, role: str, server_args):
 
 
 def make_sender(sender_class, mgr, bootstrap_addr: str, room: int):
-    import inspect
-
-    params = inspect.signature(sender_class.__init__).parameters
+    params = releases.init_parameters(sender_class)
     kwargs = dict(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
     if "dest_tp_ranks" in params:  # up to 0.5.12
         kwargs["dest_tp_ranks"] = [0]

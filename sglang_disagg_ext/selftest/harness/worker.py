@@ -32,7 +32,7 @@ T_START = time.monotonic()
 POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
 PEER_GRACE_S = 5.0
-TAMPER_ENV = "SGLANG_HARNESS_TAMPER"
+DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
 # Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to
 # log at DEBUG in the children, for chasing a stuck bootstrap.
 DEBUG_LOGGERS_ENV = "SGLANG_HARNESS_DEBUG_LOGGERS"
@@ -467,23 +467,26 @@ class Worker:
             state = self._poll_until(receiver, FINAL, deadline, trace)
             rec["seconds"] = round(time.monotonic() - t_send, 4)
         rec["status"] = state
-        self._maybe_tamper(rec)
+        self._run_decode_hook(rec)
         self.verify(index, rec)
 
-    def _maybe_tamper(self, rec: Dict[str, Any]) -> None:
-        """Self-test hook: ``SGLANG_HARNESS_TAMPER=<pool name>:<page>`` flips one
-        byte of that decode page (buffer 0) before verification, to show the
-        verification sees a single wrong byte. Never set outside harness tests."""
-        spec = os.environ.get(TAMPER_ENV)
+    def _run_decode_hook(self, rec: Dict[str, Any]) -> None:
+        """``SGLANG_HARNESS_DECODE_HOOK=<file.py>:<function>``: call ``function(pools,
+        rec)`` after the transfer and before verification. The harness's own tests
+        use it (``test/support/tamper.py``) to show the verification sees a single
+        wrong byte; nothing in the package sets it."""
+        spec = os.environ.get(DECODE_HOOK_ENV)
         if not spec:
             return
-        name, _, page = spec.rpartition(":")
-        for pool in self.pools:
-            if pool.name == name:
-                pool.views[0][int(page), 0] ^= 0xFF
-                rec["tampered"] = spec
-                return
-        raise ValueError(f"{TAMPER_ENV}={spec!r}: no pool named {name!r}")
+        import importlib.util
+
+        path, _, func = spec.rpartition(":")
+        module_spec = importlib.util.spec_from_file_location("harness_decode_hook", path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"{DECODE_HOOK_ENV}={spec!r}: cannot load {path!r}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        getattr(module, func)(self.pools, rec)
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:
         from sglang_disagg_ext.selftest.harness import patterns

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import random
 import time
 import types
@@ -47,7 +46,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.retract import retract_fixes, stock_callable
+from sglang_disagg_ext.backends.retract import retract_fixes
 
 PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
 
@@ -58,18 +57,24 @@ PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
 
 
 def nsa_pool_class():
-    from sglang.srt.mem_cache import memory_pool
-
-    return getattr(memory_pool, "NSATokenToKVPool", None)
+    return releases.nsa_pool_class()
 
 
 def build_nsa_pool(layer_num: int = 3, num_pages: int = 16, device: str = "cpu", chunk_tokens: Optional[int] = None,
                    kv_lora_rank: int = 64, qk_rope_head_dim: int = 64):
-    """A real ``NSATokenToKVPool`` with ``num_pages`` usable pages of 64 tokens."""
-    cls = nsa_pool_class()
+    """A real index-key pool with ``num_pages`` usable pages of 64 tokens: the class the
+    release builds for NSA/DSA models (``releases.index_key_pool_class``: ``NSATokenToKVPool``
+    up to 0.5.12.x, ``DSATokenToKVPool`` on 0.5.13+)."""
+    cls = releases.index_key_pool_class()
     if cls is None:
-        raise LookupError("this SGLang release has no NSATokenToKVPool")
-    pool = cls(
+        raise LookupError(f"this SGLang release has none of {', '.join(releases.INDEX_KEY_POOL_CLASS_NAMES)}")
+    extra = {}
+    if "index_buf_size" in releases.init_parameters(cls):
+        # Every release's default for one attention rank (0.5.11 memory_pool.py:1905-1906);
+        # 0.5.23 would otherwise read the decode-context-parallel width from a parallel
+        # config that only a running server publishes.
+        extra["index_buf_size"] = num_pages * PAGE_SIZE
+    pool = cls(**extra, 
         size=num_pages * PAGE_SIZE,
         page_size=PAGE_SIZE,
         kv_lora_rank=kv_lora_rank,
@@ -125,21 +130,40 @@ def _needs_neutralising(device: str) -> bool:
     return torch.device(device).type == "cpu" and not torch.cuda.is_available()
 
 
+@contextlib.contextmanager
+def one_attention_rank():
+    """Run a block as on a server with one attention rank and no decode context parallel.
+
+    0.5.13+ pools read ``attn_dcp_size`` from the parallel config a running
+    server publishes (0.5.23 memory_pool.py:4926, :5338); here nothing is
+    published, so the block states width 1 and rank 0 through SGLang's own
+    ``get_parallel().override``. Earlier releases have no such config.
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        yield
+        return
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
+        yield
+
+
+def ext_installs_f5(policy: Optional[releases.ReleasePolicy] = None) -> bool:
+    """Whether an ``-ext`` backend name installs the F5 hooks on this release (as
+    ``registration.activate`` does): only where F5 is live and the plugin is active.
+    Elsewhere ``-ext`` runs the release's own F5 code, exactly as stock does."""
+    policy = policy or releases.current_policy()
+    return policy.is_live("F5") and policy.support is releases.Support.ACTIVE
+
+
 # --------------------------------------------------------------------------
 # What stock code does here, from the shape of the installed stock classes
 # --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class StockF5Shape:
-    """Facts about the installed release's stock F5 code (read correctly while the hooks are installed)."""
-
-    nsa_pool: bool  # NSATokenToKVPool exists
-    nsa_offloads_index_k: bool  # it defines its own get_cpu_copy (upstream's fix), not MLA's
-    nsa_offload_takes_mamba_indices: bool  # ... which accepts the allocator's mamba_indices= keyword
-    allocator_passes_mamba_indices: bool  # PagedTokenToKVPoolAllocator.get_cpu_copy has that keyword
-    nsa_clear_releases_index_k: bool  # its own _clear_buffers deletes index_k_with_scale_buffer
-    get_buf_copies: bool  # MetadataBuffers.get_buf clones its fields
+class StockF5Shape(releases.StockF5Facts):
+    """The release's stock F5 facts (``releases.read_stock_f5``) and what they predict per row."""
 
     def retract_stock(self, path: str = "scheduler") -> str:
         """"pass" or "fail": stock retract-resume through ``path`` ("scheduler" or "pool")."""
@@ -156,35 +180,9 @@ class StockF5Shape:
         return "pass" if self.nsa_clear_releases_index_k else "fail"
 
 
-def _accepts_keyword(fn, name: str) -> bool:
-    params = inspect.signature(fn).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _defined_on(fn, cls) -> bool:
-    return getattr(fn, "__qualname__", "").split(".")[0] == cls.__name__
-
-
 def stock_f5_shape() -> StockF5Shape:
-    """Read :class:`StockF5Shape` from the stock methods (``retract.stock_callable``) and their source."""
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-
-    copies = ".clone()" in inspect.getsource(stock_callable(MetadataBuffers, "get_buf"))
-    passes = _accepts_keyword(PagedTokenToKVPoolAllocator.get_cpu_copy, "mamba_indices")
-    nsa = nsa_pool_class()
-    if nsa is None:
-        return StockF5Shape(False, False, False, passes, False, copies)
-    offload = stock_callable(nsa, "get_cpu_copy")
-    clear = stock_callable(nsa, "_clear_buffers")
-    return StockF5Shape(
-        nsa_pool=True,
-        nsa_offloads_index_k=_defined_on(offload, nsa),
-        nsa_offload_takes_mamba_indices=_accepts_keyword(offload, "mamba_indices"),
-        allocator_passes_mamba_indices=passes,
-        nsa_clear_releases_index_k=_defined_on(clear, nsa) and "index_k_with_scale_buffer" in inspect.getsource(clear),
-        get_buf_copies=copies,
-    )
+    """:class:`StockF5Shape` of the installed release, read by ``releases.read_stock_f5`` (stock methods)."""
+    return StockF5Shape(**dataclasses.asdict(releases.read_stock_f5()))
 
 
 # --------------------------------------------------------------------------
@@ -233,14 +231,23 @@ def req_retract_methods():
 @dataclasses.dataclass
 class RetractReport:
     cycles: int = 0
-    kv_mismatch_cycles: int = 0
-    index_k_mismatch_cycles: int = 0
+    kv_mismatch_cycles: int = 0  # the resumed request's KV rows differ from what was offloaded
+    index_k_mismatch_cycles: int = 0  # ... its index-key pages differ from what was offloaded
+    # Any other byte of the pool (other requests' pages, free pages, the rest of the
+    # resumed request's last page, page 0) changed by the offload or the resume.
+    other_page_mismatch_cycles: int = 0
     error: Optional[str] = None
     first_failure: Optional[str] = None
 
     @property
     def passed(self) -> bool:
-        return self.error is None and self.cycles > 0 and self.kv_mismatch_cycles == 0 and self.index_k_mismatch_cycles == 0
+        return (
+            self.error is None
+            and self.cycles > 0
+            and self.kv_mismatch_cycles == 0
+            and self.index_k_mismatch_cycles == 0
+            and self.other_page_mismatch_cycles == 0
+        )
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -286,6 +293,38 @@ def _snapshot(pool, token_indices: torch.Tensor, n_tokens: int):
     return kv, ik
 
 
+def _whole_pool(pool):
+    """Every byte of the pool, per layer: the KV buffer (one row per token slot) and the
+    index-key buffer (one row per page), as uint8 clones."""
+    kv = [pool.kv_buffer[l].view(torch.uint8).reshape(pool.kv_buffer[l].shape[0], -1).clone() for l in range(pool.layer_num)]
+    ik = [pool.index_k_with_scale_buffer[l].view(torch.uint8).clone() for l in range(pool.layer_num)]
+    return kv, ik
+
+
+def _rows_changed(before, after) -> set:
+    """Row numbers (any layer) where ``after`` differs from ``before``."""
+    out = set()
+    for a, b in zip(before, after):
+        out.update(torch.nonzero((a != b).reshape(a.shape[0], -1).any(dim=1)).flatten().tolist())
+    return out
+
+
+def _retracted_request(n_tokens: int):
+    """The fields SGLang's ``Req.offload_kv_cache``/``load_kv_cache`` read, for request A in
+    pool row 0: flat (0.5.10.post1 - 0.5.12.x) and under ``req.kv`` (0.5.13+), with the
+    release's own ``Req._mamba_pool_needing_backup`` bound where it has one."""
+    kv = types.SimpleNamespace(req_pool_idx=0, mamba_pool_idx=None, retraction_backup=None, holds_mamba=False)
+    req = types.SimpleNamespace(req_pool_idx=0, seqlen=n_tokens + 1, mamba_pool_idx=None, kv=kv)
+    try:
+        from sglang.srt.managers.schedule_batch import Req
+    except ImportError:  # 0.5.10.post1 on CPU: its methods use no helper (req_retract_methods)
+        return req
+    helper = getattr(Req, "_mamba_pool_needing_backup", None)
+    if helper is not None:
+        req._mamba_pool_needing_backup = types.MethodType(helper, req)
+    return req
+
+
 def _pool_path_methods():
     """Offload/restore by calling the pool directly, positional ``(indices)`` as upstream's own code does."""
 
@@ -326,7 +365,7 @@ def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = 
         n_pages_a = rng.randint(1, max_pages_a)
         n_tokens = rng.randint((n_pages_a - 1) * pool.page_size + 1, n_pages_a * pool.page_size)
         # Req.offload_kv_cache offloads req_to_token[req_pool_idx, : seqlen - 1].
-        req_a = types.SimpleNamespace(req_pool_idx=0, seqlen=n_tokens + 1, mamba_pool_idx=None)
+        req_a = _retracted_request(n_tokens)
         slots = allocator.alloc(n_pages_a * pool.page_size)
         if slots is None:
             report.error = f"cycle {cycle}: allocator out of pages for A"
@@ -336,7 +375,13 @@ def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = 
         want_kv, want_ik = _snapshot(pool, slots, n_tokens)
 
         # Retract A: SGLang's own offload path, then its pages go back to the allocator.
+        before_offload = _whole_pool(pool)
         offload_kv_cache(req_a, req_to_token_pool, allocator)
+        after_offload = _whole_pool(pool)
+        offload_wrote = _rows_changed(before_offload[0], after_offload[0]) | _rows_changed(
+            before_offload[1], after_offload[1]
+        )
+        del before_offload, after_offload
         allocator.free(slots)
         if rng.random() < 0.5:  # fragment the free list
             perm = torch.randperm(len(allocator.free_pages), generator=gen)
@@ -365,20 +410,43 @@ def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = 
             report.error = f"cycle {cycle}: allocator out of pages for resume"
             return report
         req_to_token_pool.req_to_token[0, : len(new_slots)] = new_slots.to(torch.int32)
+        # What every byte of the pool must hold after the resume: what it holds now (other
+        # requests' pages, free pages, the tail of A's last page), except A's first
+        # n_tokens KV rows and A's index-key pages, which must hold what was offloaded.
+        want_kv_pool, want_ik_pool = _whole_pool(pool)
+        a_rows = new_slots[:n_tokens].long()
+        a_pages = a_rows[:: pool.page_size] // pool.page_size
+        for layer in range(pool.layer_num):
+            want_kv_pool[layer][a_rows] = want_kv[layer].reshape(len(a_rows), -1)
+            want_ik_pool[layer][a_pages] = want_ik[layer].view(torch.uint8).reshape(len(a_pages), -1)
         load_kv_cache(req_a, req_to_token_pool, allocator)
 
-        got_kv, got_ik = _snapshot(pool, new_slots, n_tokens)
-        kv_ok = all(torch.equal(a, b) for a, b in zip(want_kv, got_kv))
-        ik_ok = all(torch.equal(a, b) for a, b in zip(want_ik, got_ik))
+        got_kv_pool, got_ik_pool = _whole_pool(pool)
+        kv_rows = _rows_changed(want_kv_pool, got_kv_pool)
+        ik_rows = _rows_changed(want_ik_pool, got_ik_pool)
+        del want_kv_pool, want_ik_pool, got_kv_pool, got_ik_pool
+        a_row_set, a_page_set = set(a_rows.tolist()), set(a_pages.tolist())
+        kv_ok = not (kv_rows & a_row_set)
+        ik_ok = not (ik_rows & a_page_set)
+        others_ok = not offload_wrote and not (kv_rows - a_row_set) and not (ik_rows - a_page_set)
         report.cycles += 1
         if not kv_ok:
             report.kv_mismatch_cycles += 1
         if not ik_ok:
             report.index_k_mismatch_cycles += 1
-        if (not kv_ok or not ik_ok) and report.first_failure is None:
+        if not others_ok:
+            report.other_page_mismatch_cycles += 1
+        if (not kv_ok or not ik_ok or not others_ok) and report.first_failure is None:
             report.first_failure = (
                 f"cycle {cycle}: {n_tokens} tokens on {n_pages_a} pages; "
-                f"kv {'ok' if kv_ok else 'CHANGED'}, index_k {'ok' if ik_ok else 'CHANGED'}"
+                f"kv {'ok' if kv_ok else 'CHANGED'}, index_k {'ok' if ik_ok else 'CHANGED'}, "
+                f"rest of the pool {'ok' if others_ok else 'CHANGED'}"
+                + (
+                    ""
+                    if others_ok
+                    else f" (offload wrote rows {sorted(offload_wrote)[:8]}; resume changed kv rows "
+                    f"{sorted(kv_rows - a_row_set)[:8]}, index-key pages {sorted(ik_rows - a_page_set)[:8]})"
+                )
             )
         allocator.free(new_slots)
         for got in others:
@@ -389,14 +457,59 @@ def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = 
 def retract_scenario(ext: bool, cycles: int = 100, seed: int = 0, device: str = "cpu", layer_num: int = 3,
                      num_pages: int = 16, chunk_tokens: Optional[int] = None, path: str = "scheduler") -> RetractReport:
     """Build a fresh pool and run the cycles with the fix installed (``ext``) or stock."""
+    with one_attention_rank():
+        return _retract_scenario(ext, cycles, seed, device, layer_num, num_pages, chunk_tokens, path)
+
+
+def _retract_scenario(ext, cycles, seed, device, layer_num, num_pages, chunk_tokens, path) -> RetractReport:
     pool = build_nsa_pool(layer_num=layer_num, num_pages=num_pages, device=device, chunk_tokens=chunk_tokens)
     allocator = build_allocator(pool, device)
-    neutralise = (not ext) and _needs_neutralising(device)
-    with retract_fixes(enabled=ext), stock_cuda_sync_neutralised(neutralise), torch_threads(1):
+    # ext: what the -ext name runs here (the plugin's hooks where F5 is live, else the
+    # release's own code, which needs the same CPU stand-in as stock).
+    hooks = ext and ext_installs_f5()
+    neutralise = (not hooks) and _needs_neutralising(device)
+    with retract_fixes(enabled=hooks), stock_cuda_sync_neutralised(neutralise), torch_threads(1):
         try:
             return run_retract_cycles(pool, allocator, cycles, seed=seed, path=path)
         except Exception as e:  # a crash on the retract path is a failure, reported as such
             return RetractReport(error=f"{type(e).__name__}: {e}")
+
+
+def stock_retract_signature(report: RetractReport, shape, path: str = "scheduler") -> Optional[str]:
+    """None when a stock ``report`` of :func:`retract_scenario` shows exactly the live F5 bug
+    of this release (``shape``: :func:`stock_f5_shape`), else why it does not.
+
+    * The offload ignores the index keys (0.5.10.post1, 0.5.11; 0.5.12.x through the pool):
+      every cycle completes, the resumed request's KV rows come back, its index-key pages
+      hold what other requests wrote there, and nothing else in the pool changed.
+    * 0.5.12.x through the scheduler: the very first retract raises TypeError because the
+      allocator passes ``mamba_indices=`` to the NSA ``get_cpu_copy(self, indices)``.
+
+    Any other error (the rig out of pages, an import, an unrelated exception) is not it.
+    """
+    if shape.retract_stock(path) != "fail":
+        return f"stock is not expected to fail the {path} path here"
+    if (
+        path == "scheduler"
+        and shape.nsa_offloads_index_k
+        and shape.allocator_passes_mamba_indices
+        and not shape.nsa_offload_takes_mamba_indices
+    ):
+        err = report.error or ""
+        if report.cycles != 0 or not err.startswith("TypeError") or "mamba_indices" not in err or "get_cpu_copy" not in err:
+            return f"expected TypeError from get_cpu_copy naming mamba_indices on the first retract; got {report}"
+        return None
+    if report.error is not None:
+        return f"stock crashed ({report.error}); the live bug raises nothing, it loses the index keys"
+    if report.cycles == 0:
+        return "no retract/resume cycle ran"
+    if report.index_k_mismatch_cycles == 0:
+        return "the resumed request's index-key pages came back as offloaded"
+    if report.kv_mismatch_cycles:
+        return f"KV rows changed in {report.kv_mismatch_cycles} cycles: the live bug keeps KV"
+    if report.other_page_mismatch_cycles:
+        return f"pages outside the resumed request changed in {report.other_page_mismatch_cycles} cycles"
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -433,12 +546,10 @@ def _meta_req(slot: int, value: int, hidden_size: int, room: int):
 
 
 def _build_metadata_buffers(hidden_size: int):
-    import inspect
-
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
     kwargs = dict(size=4, hidden_size=hidden_size, hidden_states_dtype=torch.float32)
-    if "max_sampling_mask_tokens" in inspect.signature(MetadataBuffers.__init__).parameters:
+    if releases.features().metadata_buffers_sampling_mask:
         kwargs["max_sampling_mask_tokens"] = 16  # 0.5.13+; unused with sampling masks off
     return MetadataBuffers(**kwargs)
 
@@ -518,12 +629,15 @@ def _word(passed: Optional[bool]) -> str:
     return "n/a" if passed is None else ("pass" if passed else "fail")
 
 
-def _row(scenario: str, run: Callable[[bool], object], policy, stock_expected: str) -> Dict:
+def _row(scenario: str, run: Callable[[bool], object], policy, stock_expected: str,
+         signature: Optional[Callable[[object], Optional[str]]] = None) -> Dict:
     """Run ``scenario`` stock and ext; where F5 is upstream, stock is "n/a" and ext is the release's own code.
 
     Where F5 is live, ``verified`` means ext passed and stock did what the
     shape of its code says (``stock_expected``): "fail" where that part of F5
-    is live, "pass" for the parts 0.5.12.x already fixed.
+    is live, "pass" for the parts 0.5.12.x already fixed. Where ``signature`` is
+    given and stock must fail, stock must also fail *as the live bug does*
+    (``signature(stock_report)`` is None), never through a crash of the rig.
     """
     t0 = time.perf_counter()
     live = policy.is_live("F5")
@@ -533,6 +647,11 @@ def _row(scenario: str, run: Callable[[bool], object], policy, stock_expected: s
         if live:
             s, e = run(False), run(True)
             stock, ext = s.passed, e.passed
+            if signature is not None and stock_expected == "fail":
+                not_the_bug = signature(s)
+                if not_the_bug:
+                    notes.append(f"stock failure is not the live bug: {not_the_bug}")
+                    stock = None  # verified stays False; the row says why
             for label, r in (("stock", s), ("ext", e)):
                 detail = getattr(r, "error", None) or getattr(r, "first_failure", None)
                 if detail:
@@ -551,17 +670,12 @@ def _row(scenario: str, run: Callable[[bool], object], policy, stock_expected: s
         verified = ext is True and stock is not None and _word(stock) == stock_expected
     else:
         verified = ext is True
-    return {
-        "scenario": scenario,
-        "fix": "F5",
-        "backend": "all",
-        "stock": _word(stock) if live else "n/a",
-        "ext": _word(ext),
-        "verified": verified,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "stock_expected": stock_expected if live else "n/a",
-        "note": "; ".join(notes),
-    }
+    from sglang_disagg_ext.selftest.rows import make_row
+
+    return make_row(
+        scenario, "F5", "all", _word(stock) if live else "n/a", _word(ext), verified, time.perf_counter() - t0,
+        stock_expected=stock_expected if live else "n/a", note="; ".join(notes),
+    )
 
 
 def f5_row_names(cycles: int = 100) -> List[str]:
@@ -583,13 +697,16 @@ def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]
     except Exception:
         pass  # the rows report what is missing
     retract_name, metadata_name, clear_name = f5_row_names(cycles)
+    shape = None
     try:
         shape = stock_f5_shape()
         expect = (shape.retract_stock("scheduler"), shape.metadata_stock(), shape.clear_stock())
     except Exception as exc:  # noqa: BLE001 - the rows then say why nothing could be predicted
+        shape = None
         expect = (f"unknown ({type(exc).__name__}: {exc})",) * 3
     rows = [
-        _row(retract_name, lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device), policy, expect[0]),
+        _row(retract_name, lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device), policy, expect[0],
+             signature=(lambda report: stock_retract_signature(report, shape)) if shape is not None else None),
         _row(metadata_name, lambda ext: metadata_scenario(ext), policy, expect[1]),
         _row(clear_name, lambda ext: clear_buffers_scenario(ext, device=device), policy, expect[2]),
     ]

@@ -218,18 +218,9 @@ def nothing_written(request_result) -> bool:
 
 
 def _row(scenario: str, stock: str, ext: str, verified: bool, seconds: float, engine: str, **extra) -> Dict:
-    row = {
-        "scenario": scenario,
-        "fix": FIX,
-        "backend": BACKEND,
-        "stock": stock,
-        "ext": ext,
-        "verified": bool(verified),
-        "seconds": round(float(seconds), 2),
-        "engine": engine,
-    }
-    row.update(extra)
-    return row
+    from sglang_disagg_ext.selftest.rows import make_row
+
+    return make_row(scenario, FIX, BACKEND, stock, ext, verified, seconds, engine=engine, **extra)
 
 
 ROW_NAMES = ("mori-hybrid-state", "mori-flat-decode-refused", "mori-flat-prefill-refused")

@@ -15,7 +15,6 @@ scenario runs stock without the shim.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Callable, Dict, List, Optional
 
 from sglang_disagg_ext import releases
@@ -37,12 +36,16 @@ from sglang_disagg_ext.selftest.harness.scenario import (
 # last decode rank's send_metadata to "bootstrapped" (its bootstrap thread
 # handling four registrations and four room messages; 43 runs measured), so
 # 12 s was at the edge as well.
-TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=20.0, sglang_bootstrap_s=20.0)
+# Workers fork from a warm server (harness.procs), so no rank imports SGLang
+# while another transfers; 10 s of SGLang waiting is far above what an -ext
+# run needs (0.01-0.1 s a request) and is what a stock run that never
+# completes waits out.
+TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=10.0, sglang_bootstrap_s=10.0)
 # Five processes (P1->D4) on two cores: in one CI run two decode ranks came out
 # of their rank barrier 12-15 s after the others (frozen processes), and the
 # prefill's writes then took 15.7 s: 30.7 s from the first rank's send to
-# prefill Success, past 20 s.
-FIVE_RANK_TIMEOUTS = Timeouts(request_s=100.0, startup_s=150.0, sglang_waiting_s=45.0, sglang_bootstrap_s=45.0)
+# prefill Success, past 20 s (before pacing and the fork server; 30 s keeps margin).
+FIVE_RANK_TIMEOUTS = Timeouts(request_s=100.0, startup_s=150.0, sglang_waiting_s=30.0, sglang_bootstrap_s=30.0)
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 
 
@@ -89,13 +92,14 @@ def all_ok(result) -> bool:
     return result.ok
 
 
-def _final_in_time(r, bound_s: float) -> bool:
-    return (
-        r.prefill_status == "Failed"
-        and r.decode_status == "Failed"
-        and r.decode_seconds is not None
-        and r.decode_seconds <= bound_s
-    )
+# A request that must fail ends Failed on both sides, each with a reason, within
+# half of SGLang's own (shortened) waiting/bootstrap timeouts: a side that ended
+# only through those timeouts waited the failure out, nobody told it.
+FAILED_WITHIN_S = min(TIMEOUTS.sglang_waiting_s, TIMEOUTS.sglang_bootstrap_s) / 2
+
+
+def _final_in_time(r, bound_s: float = FAILED_WITHIN_S) -> bool:
+    return r.failed_within(bound_s)
 
 
 def swa_ok(result) -> bool:
@@ -104,7 +108,7 @@ def swa_ok(result) -> bool:
         return False
     good = result.requests[0].ok and result.requests[2].ok
     # Well under SGLang's own waiting timeout: decode was told, it did not time out.
-    return good and _final_in_time(result.requests[1], TIMEOUTS.sglang_waiting_s - 1.0)
+    return good and _final_in_time(result.requests[1])
 
 
 def swa_host_ok(result) -> bool:
@@ -113,9 +117,7 @@ def swa_host_ok(result) -> bool:
 
 
 def swa_mismatch_ok(result) -> bool:
-    return not result.error and len(result.requests) > 1 and _final_in_time(
-        result.requests[1], TIMEOUTS.sglang_waiting_s - 1.0
-    )
+    return not result.error and len(result.requests) > 1 and _final_in_time(result.requests[1])
 
 
 def layout_ok(result) -> bool:
@@ -124,7 +126,7 @@ def layout_ok(result) -> bool:
         return False
     r = result.requests[0]
     reason = " ".join(filter(None, [r.prefill_failure_reason, r.decode_failure_reason]))
-    return _final_in_time(r, TIMEOUTS.sglang_waiting_s - 1.0) and "3 KV heads" in reason and "2" in reason
+    return _final_in_time(r) and "3 KV heads" in reason and "2" in reason
 
 
 # -- the table ------------------------------------------------------------------
@@ -148,69 +150,19 @@ class NixlScenario:
         return {nixl_shim.ENV: "1"} if self.decode_backend_for_ext else None
 
 
-def _stock_conn_source() -> str:
-    """Text of the installed stock ``sglang.srt.disaggregation.nixl.conn`` ("" if absent)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
-    if spec is None or not spec.origin:
-        return ""
-    with open(spec.origin, encoding="utf-8") as f:
-        return f.read()
-
-
-def _stock_slice_source() -> str:
-    text = _stock_conn_source()
-    start = text.find("def send_kvcache_slice")
-    if start < 0:
-        return ""
-    end = text.find("\n    def ", start + 1)
-    return text[start:end]
-
-
 def stock_slice_uses_total_heads() -> bool:
-    """Whether the installed stock ``send_kvcache_slice`` reads ``total_kv_head_num``.
-
-    Read from the installed module's source text: 0.5.10.post1 uses the per-rank
-    count instead, so a head replicated over decode ranks gives 0 heads per
-    decode rank and a ZeroDivisionError (0.5.10.post1 nixl/conn.py:484, :489).
-    """
-    text = _stock_slice_source()
-    return not text or "total_kv_head_num" in text
+    """Whether stock ``send_kvcache_slice`` reads ``total_kv_head_num`` (``releases.features()``)."""
+    return releases.features().stock_nixl_slice_uses_total_heads
 
 
 def stock_slice_maps_decode_replicas_by_modulo() -> bool:
-    """Whether stock picks a decode rank's heads as ``(rank * heads per decode rank) % heads per prefill rank``.
-
-    That modulo is right while each decode rank holds distinct heads, and
-    wrong once a prefill rank holding several heads serves decode ranks that
-    replicate them (2 heads, TP 1 -> TP 4: decode rank 1 gets head 1, rank 2
-    head 0; 0.5.11 nixl/conn.py:554-556, 0.5.12.post1 :1002-1004). Upstream
-    later maps replicas by integer division (0.5.23 ``dst_replication``).
-    """
-    return "%src_heads_per_rank" in "".join(_stock_slice_source().split())
+    """Whether stock maps decode-side head replicas by modulo (``releases.features()``)."""
+    return releases.features().stock_nixl_slice_maps_decode_replicas_by_modulo
 
 
 def stock_kv_tag_sender_field() -> Optional[str]:
-    """The ``kv_args`` field stock puts last in its KV notification tag, e.g. "pp_rank".
-
-    ``<room>_kv_<chunk>_<last>_<field>``: 0.5.10.post1 (nixl/conn.py:751) and
-    0.5.11 (:923) use ``pp_rank``, so every TP rank of a prefill stage sends
-    the same key and a decode rank fed by several of them never completes;
-    0.5.12.x uses ``engine_rank`` (0.5.12.post1 :661-662). ``None`` if the tag
-    is not found where expected.
-    """
-    import re
-
-    text = _stock_conn_source()
-    for match in re.finditer(r"_kv_\{", text):
-        # The tag may be one f-string or several adjacent ones on following lines.
-        lines = text[match.start() :].split("\n")
-        tag = [lines[0]] + [ln for ln in itertools.takewhile(lambda ln: ln.lstrip().startswith('f"'), lines[1:])]
-        field = re.search(r"\{self\.kv_args\.(\w+)\}", "\n".join(tag))
-        if field:
-            return field.group(1)
-    return None
+    """The ``kv_args`` field stock puts last in its KV notification tag (``releases.features()``)."""
+    return releases.features().stock_nixl_kv_tag_sender_field
 
 
 # -- stock expectations, per scenario (what stock does where F4 is live) ---------

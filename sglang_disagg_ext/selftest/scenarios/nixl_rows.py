@@ -13,20 +13,11 @@ import time
 from typing import Dict, List, Optional
 
 from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.rows import make_row
 
 
 def _row(name, stock, ext, verified, seconds, **extra) -> Dict:
-    row = {
-        "scenario": name,
-        "fix": "F4",
-        "backend": "nixl",
-        "stock": stock,
-        "ext": ext,
-        "verified": bool(verified),
-        "seconds": round(float(seconds), 2),
-    }
-    row.update(extra)
-    return row
+    return make_row(name, "F4", "nixl", stock, ext, verified, seconds, **extra)
 
 
 def _verdict(result, passed) -> str:

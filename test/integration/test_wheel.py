@@ -1,0 +1,73 @@
+"""What a wheel install gets: the plugin and its self-test rig, nothing test-only.
+
+Builds the wheel with ``pip wheel --no-deps`` from this checkout, unpacks it
+into a folder of its own and runs ``sglang-disagg-ext selftest`` from there (a
+folder with no ``test/``), against the SGLang of this venv: every row either
+ran or says why it could not run here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Modules that exist only for this repository's tests.
+TEST_ONLY = ("tamper", "mori_standin", "sglang_standin", "conftest", "test_")
+
+
+@pytest.fixture(scope="module")
+def wheel_install(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), ROOT],
+        check=True, timeout=300, capture_output=True,
+    )
+    (whl,) = [p for p in out.iterdir() if p.suffix == ".whl"]
+    target = out / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(whl)],
+        check=True, timeout=300, capture_output=True,
+    )
+    return whl, target
+
+
+@pytest.mark.timeout(400)
+def test_wheel_holds_the_package_and_nothing_test_only(wheel_install):
+    whl, _ = wheel_install
+    names = zipfile.ZipFile(whl).namelist()
+    modules = [n for n in names if n.endswith(".py")]
+    assert "sglang_disagg_ext/registration.py" in modules
+    assert "sglang_disagg_ext/selftest/harness/worker.py" in modules
+    outside = [n for n in names if not n.startswith(("sglang_disagg_ext/", "sglang_disagg_ext-"))]
+    assert outside == [], outside
+    test_only = [n for n in modules if any(os.path.basename(n).startswith(t) or f"/{t}" in n for t in TEST_ONLY)]
+    assert test_only == [], test_only
+
+
+@pytest.mark.timeout(400)
+def test_selftest_from_the_wheel_runs_or_names_each_row(wheel_install, tmp_path):
+    _, target = wheel_install
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_disagg_ext.cli", "selftest", "--backend", "mooncake", "--backend", "mori",
+         "--scenario", "swa 3 vs 2 pages", "--scenario", "mori-hybrid-state", "--json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    rows = {r["scenario"]: r for r in report["rows"]}
+    # The transfer row ran from the wheel's own harness.
+    assert rows["swa 3 vs 2 pages"]["ext"] == "pass", rows
+    # The MoRI stand-in is test-only: without a checkout the row is not run and says why.
+    mori = rows["mori-hybrid-state"]
+    assert mori["ext"] == "n/a" and mori["not_run"], mori
+    assert report["totals"]["not_run_rows"]["mori-hybrid-state"] == mori["not_run"]
+    assert report["totals"]["passed"] == report["totals"]["ran"] - report["totals"]["failed"]
+    assert str(target) in subprocess.run(
+        [sys.executable, "-c", "import sglang_disagg_ext; print(sglang_disagg_ext.__file__)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    ).stdout
