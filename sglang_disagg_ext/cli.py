@@ -1,4 +1,9 @@
-"""Command line: ``sglang-disagg-ext doctor|selftest``."""
+"""Command line: ``sglang-disagg-ext doctor|selftest|launch-pd|gsm8k|tiny-model``.
+
+``doctor`` and ``selftest`` check a node; ``launch-pd``, ``gsm8k`` and
+``tiny-model`` are the deployment tools (``sglang_disagg_ext.deploy``), the same
+programs as ``scripts/*.py`` in a checkout, reachable from a wheel install.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +35,30 @@ def _selftest(args) -> int:
     return selftest.main(args)
 
 
+# Deployment subcommands: name -> (module with main(argv), help). Their own
+# parsers read everything after the subcommand name.
+DEPLOY_COMMANDS = {
+    "launch-pd": ("sglang_disagg_ext.deploy.launch_pd", "start/stop 1 prefill + 1 decode + router (see --help)"),
+    "gsm8k": ("sglang_disagg_ext.deploy.gsm8k", "GSM8K accuracy of a running PD deployment (see --help)"),
+    "tiny-model": ("sglang_disagg_ext.deploy.tiny_model", "write a tiny local model folder for CPU checks"),
+}
+
+
+def _deploy(name: str, argv) -> int:
+    import importlib
+
+    module, _ = DEPLOY_COMMANDS[name]
+    return int(importlib.import_module(module).main(list(argv)) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from sglang_disagg_ext import __version__, releases
+
     parser = argparse.ArgumentParser(prog="sglang-disagg-ext", description=__doc__)
+    parser.add_argument(
+        "--version", action="version",
+        version=f"%(prog)s {__version__} (SGLang {releases.installed_sglang_version() or 'not installed'})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("doctor", help="report SGLang release, per-fix status and engines")
@@ -44,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=list(backend_table.NAMES), action="append",
                    help="limit to these backends (repeatable); default: every engine available here")
-    p.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: release, options, rows (each with why if not run), totals")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
                    help="how the engines move bytes: Mooncake's TransferEngine protocol; for NIXL the UCX "
                         "transports (tcp: UCX_TLS=tcp,self,sm; rdma: rc,ud,self). Default tcp")
@@ -58,10 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this scenario (repeatable; exact row name)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
     p.set_defaults(func=_selftest)
+
+    for name, (_, text) in DEPLOY_COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)  # listed here; main() hands its argv over
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DEPLOY_COMMANDS:
+        return _deploy(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -8,6 +8,7 @@ ran or says why it could not run here.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,8 +23,17 @@ TEST_ONLY = ("tamper", "mori_standin", "sglang_standin", "conftest", "test_")
 @pytest.fixture(scope="module")
 def wheel_install(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
+    # Build from a copy of what git tracks: an in-tree build/ of an earlier run
+    # could still hold modules the source no longer has.
+    src = out / "src"
+    files = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard"], check=True,
+                           capture_output=True, text=True, timeout=60).stdout.split()
+    for rel in files:
+        if os.path.isfile(os.path.join(ROOT, rel)):
+            os.makedirs(src / os.path.dirname(rel), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), src / rel)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True, timeout=300, capture_output=True,
     )
     (whl,) = [p for p in out.iterdir() if p.suffix == ".whl"]
