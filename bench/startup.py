@@ -58,11 +58,15 @@ print(json.dumps({"seconds": dt, "ext_names": "mooncake-ext" in server_args.DISA
 
 
 def _probe(python: str, setting: str, with_plugin: bool, timeout: float = 300.0) -> Dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_DISAGG_EXT_BACKEND", "SGLANG_PLUGINS")}
+    env = {
+        k: v for k, v in os.environ.items()
+        if k not in ("SGLANG_DISAGG_EXT_BACKEND", "SGLANG_DISAGG_EXT_BACKEND_PID", "SGLANG_PLUGINS")
+    }
     env["SGLANG_PLUGINS"] = ENTRY_POINT if with_plugin else NO_PLUGIN
     env.setdefault("CUDA_VISIBLE_DEVICES", "")
     if setting == "scheduler":
-        env["SGLANG_DISAGG_EXT_BACKEND"] = "mooncake-ext"
+        # As the launcher hands it to a scheduler: chosen by this (parent) process.
+        env.update({"SGLANG_DISAGG_EXT_BACKEND": "mooncake-ext", "SGLANG_DISAGG_EXT_BACKEND_PID": str(os.getpid())})
     r = subprocess.run([python, "-c", _PROBE, setting], capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"plugin-load probe ({setting}, plugin={with_plugin}) failed:\n{r.stderr[-2000:]}")

@@ -13,7 +13,9 @@ How an ``-ext`` name works, end to end:
    SGLang compares the backend string or ``TransferBackend`` enum (staging
    buffer, IB device, shared Mooncake engine start, ...) therefore takes the
    base name's branch. The choice is recorded in ``SGLANG_DISAGG_EXT_BACKEND``
-   so every process SGLang starts afterwards inherits it.
+   (with the choosing process's PID in ``SGLANG_DISAGG_EXT_BACKEND_PID``) so
+   every process SGLang starts afterwards inherits it; a value not set by an
+   ancestor is stale and ignored.
 3. In each process where an ``-ext`` backend is selected, ``activate()`` puts the
    plugin's classes into the SGLang backend package
    (``sglang.srt.disaggregation.mooncake`` ...). ``get_kv_class`` imports its
@@ -39,6 +41,11 @@ logger = logging.getLogger("sglang_disagg_ext")
 
 # Inherited by every process SGLang spawns after argument parsing.
 SELECTED_BACKEND_ENV = "SGLANG_DISAGG_EXT_BACKEND"
+# The PID of the process whose server arguments chose that backend. A child
+# honours the choice only when that process is itself or one of its ancestors:
+# a value left over in an operator's shell (or copied from another server's
+# environment) must never route a stock backend name to the plugin's classes.
+SELECTED_BY_ENV = "SGLANG_DISAGG_EXT_BACKEND_PID"
 
 # Base backend -> (SGLang package whose names get_kv_class imports,
 #                  plugin module that defines ext_classes() for it): backend_table.
@@ -53,9 +60,46 @@ def load_plugin() -> None:
     """Entry point of the ``sglang.srt.plugins`` group. Idempotent."""
     register_backend_names()
     _wrap_server_args_resolution()
-    selected = os.environ.get(SELECTED_BACKEND_ENV)
+    selected = inherited_selection()
     if selected:
         activate(selected)
+
+
+def selection_env(ext_name: str, pid: Optional[int] = None) -> Dict[str, str]:
+    """The environment that hands ``ext_name`` to the processes ``pid`` (default: this one) starts."""
+    return {SELECTED_BACKEND_ENV: ext_name, SELECTED_BY_ENV: str(os.getpid() if pid is None else pid)}
+
+
+def inherited_selection() -> Optional[str]:
+    """The ``-ext`` backend this process inherited from the process that parsed the server
+    arguments, or None. A selection not made by this process or an ancestor is stale: it is
+    dropped from the environment (so nothing this process starts inherits it) with a warning."""
+    selected = os.environ.get(SELECTED_BACKEND_ENV)
+    if not selected:
+        os.environ.pop(SELECTED_BY_ENV, None)
+        return None
+    owner = os.environ.get(SELECTED_BY_ENV, "")
+    if owner.isdecimal() and _is_self_or_ancestor(int(owner)):
+        return selected
+    logger.warning(
+        "ignoring %s=%s from the environment: it was not set by this process or one of its parents "
+        "(%s=%r); the --disaggregation-transfer-backend argument decides",
+        SELECTED_BACKEND_ENV, selected, SELECTED_BY_ENV, owner or None,
+    )
+    os.environ.pop(SELECTED_BACKEND_ENV, None)
+    os.environ.pop(SELECTED_BY_ENV, None)
+    return None
+
+
+def _is_self_or_ancestor(pid: int) -> bool:
+    import psutil
+
+    if pid == os.getpid():
+        return True
+    try:
+        return any(p.pid == pid for p in psutil.Process().parents())
+    except psutil.Error:
+        return False
 
 
 def register_backend_names() -> None:
@@ -95,10 +139,17 @@ def resolve_ext_backend(server_args) -> Optional[str]:
     """
     name = getattr(server_args, "disaggregation_transfer_backend", None)
     if name not in releases.EXT_BACKENDS:
+        if os.environ.get(SELECTED_BY_ENV) == str(os.getpid()):
+            # This process chose an -ext backend for earlier arguments and now
+            # parses a stock name: the stock name wins here and in its children.
+            os.environ.pop(SELECTED_BACKEND_ENV, None)
+            os.environ.pop(SELECTED_BY_ENV, None)
+            if _active_backend is not None:
+                deactivate()
         return None
     releases.current_policy().check_supported()
     server_args.disaggregation_transfer_backend = releases.EXT_BACKENDS[name]
-    os.environ[SELECTED_BACKEND_ENV] = name
+    os.environ.update(selection_env(name))
     activate(name)
     return name
 

@@ -152,9 +152,10 @@ def clean_activation():
     """Undo any -ext activation a test performs in this process."""
     from sglang_disagg_ext import registration
 
-    saved = os.environ.pop(registration.SELECTED_BACKEND_ENV, None)
+    names = (registration.SELECTED_BACKEND_ENV, registration.SELECTED_BY_ENV)
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
     yield registration
     registration.deactivate()
-    os.environ.pop(registration.SELECTED_BACKEND_ENV, None)
-    if saved is not None:
-        os.environ[registration.SELECTED_BACKEND_ENV] = saved
+    for k in names:
+        os.environ.pop(k, None)
+    os.environ.update(saved)

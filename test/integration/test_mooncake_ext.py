@@ -93,3 +93,9 @@ def test_ext_serves_many_requests_with_mixed_lengths():
     )
     result = run_scenario(scenario, "mooncake-ext")
     assert result.ok, result.describe()
+    if ACTIVE:
+        # Requests 0, 1 and 3 are trimmed; the plugin logs the first at WARNING and
+        # holds the rest back for a minute (one line per component and kind).
+        trims = [line for r in result.requests for line in r.prefill_log if "side trimmed" in line]
+        assert len(trims) == 1, trims
+        assert "state component 0 (swa): len(prefill_state_indices)=5, len(dst_state_indices)=3" in trims[0], trims

@@ -230,6 +230,7 @@ def test_enum_sites_take_base_branch(loaded, tiny_model_dir):
 def _run(code, env=None, timeout=120):
     full_env = dict(os.environ)
     full_env.pop("SGLANG_DISAGG_EXT_BACKEND", None)
+    full_env.pop("SGLANG_DISAGG_EXT_BACKEND_PID", None)
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env
@@ -304,3 +305,58 @@ def test_ext_name_without_its_engine_fails_where_stock_fails(loaded, tiny_model_
             get_kv_class(TransferBackend(value), KVClassType.MANAGER)
         errors[name] = type(info.value)
     assert errors["mori"] is errors["mori-ext"]
+
+
+# -- the backend choice handed to child processes ---------------------------------------
+
+_CHILD_ROUTE = """
+from sglang_disagg_ext import registration
+registration.load_plugin()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+import os
+cls = get_kv_class(TransferBackend("mooncake"), KVClassType.MANAGER)
+print(registration.active_backend(), cls.__module__, os.environ.get("SGLANG_DISAGG_EXT_BACKEND"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_choice_made_by_an_ancestor_reaches_the_child(clean_activation, policy):
+    """As SGLang's scheduler inherits it: the parent (this test process) made the choice."""
+    out = _run(_CHILD_ROUTE, env=clean_activation.selection_env("mooncake-ext"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    active, module, env = out.stdout.split()
+    assert active == "mooncake-ext" and env == "mooncake-ext"
+    if policy.support is releases.Support.ACTIVE:
+        assert module == "sglang_disagg_ext.backends.mooncake"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("owner", [None, "not-a-pid", "dead"])
+def test_stale_choice_in_the_environment_is_ignored(clean_activation, owner):
+    """A SGLANG_DISAGG_EXT_BACKEND no ancestor set (an operator's shell, a copied environment)
+    never routes the stock name to the plugin's classes, and is not passed on."""
+    env = {"SGLANG_DISAGG_EXT_BACKEND": "mooncake-ext"}
+    if owner == "dead":
+        done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, timeout=60)
+        env["SGLANG_DISAGG_EXT_BACKEND_PID"] = done.stdout.strip()
+    elif owner is not None:
+        env["SGLANG_DISAGG_EXT_BACKEND_PID"] = owner
+    out = _run(_CHILD_ROUTE, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "sglang.srt.disaggregation.mooncake.conn", "None"], out.stdout
+    assert "ignoring SGLANG_DISAGG_EXT_BACKEND=mooncake-ext" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_stock_name_after_an_ext_name_in_one_process_is_stock(loaded, tiny_model_dir):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    _server_args(tiny_model_dir, "mooncake-ext")
+    assert os.environ[loaded.SELECTED_BACKEND_ENV] == "mooncake-ext"
+    assert os.environ[loaded.SELECTED_BY_ENV] == str(os.getpid())
+    _server_args(tiny_model_dir, "mooncake")
+    assert loaded.SELECTED_BACKEND_ENV not in os.environ and loaded.SELECTED_BY_ENV not in os.environ
+    assert loaded.active_backend() is None
+    cls = get_kv_class(TransferBackend("mooncake"), KVClassType.MANAGER)
+    assert cls.__module__ == "sglang.srt.disaggregation.mooncake.conn"
