@@ -68,7 +68,7 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         }
         for ext, base in releases.EXT_BACKENDS.items()
     }
-    problems = []
+    problems, warnings = [], []
     if not policy.supported:
         problems.append(
             f"SGLang {policy.version or '(not installed)'} is not supported; supported: "
@@ -76,12 +76,14 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         )
     if policy.supported and not discovered and not launcher_ok:
         problems.append(entry_reason)
+    if not policy.known:
+        warnings.append(policy.unknown_release_warning())
     if policy.supported and not any(engines.values()):
         problems.append(f"no transfer engine ({', '.join(backend_table.NAMES)}) imports here")
     return {
         "sglang_version": policy.version,
         "supported": policy.supported,
-        "support": policy.support.value,
+        "support": policy.support_text,
         "state_layout": policy.layout.value if policy.layout else None,
         "fixes": fixes,
         # Fixes the SGLang sources carry from patches/ (reported as upstream above).
@@ -91,6 +93,7 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "entry_point_detail": entry_reason,
         "backends": backends,
         "problems": problems,
+        "warnings": warnings,
         "plugin_version": _plugin_version(),
     }
 
@@ -130,6 +133,8 @@ def format_report(report: Dict) -> str:
     lines.append("")
     for ext, info in report["backends"].items():
         lines.append(f"{ext:<13} {'ready' if info['ready'] else 'not ready'}")
+    for warning in report.get("warnings", []):
+        lines.append(f"WARNING: {warning}")
     for problem in report["problems"]:
         lines.append(f"PROBLEM: {problem}")
     return "\n".join(lines)

@@ -166,6 +166,8 @@ def activate(ext_name: str) -> None:
     policy.check_supported()
     if _active_backend == ext_name:
         return
+    if not policy.known and not _warned_unknown:
+        _warn_unknown_release(policy)
     if _active_backend is not None:
         deactivate()
     base = releases.EXT_BACKENDS[ext_name]
@@ -200,6 +202,15 @@ def activate(ext_name: str) -> None:
         ext_name,
         ", ".join(routed) if routed else f"stock {base} classes (pass-through)",
     )
+
+
+_warned_unknown = False
+
+
+def _warn_unknown_release(policy: releases.ReleasePolicy) -> None:
+    global _warned_unknown
+    _warned_unknown = True
+    logger.warning(policy.unknown_release_warning())
 
 
 def _missing_engine(exc: BaseException, base: str) -> bool:

@@ -111,6 +111,24 @@ class ReleasePolicy:
     # Fixes the installed SGLang sources carry from this project's patches/
     # (their status is UPSTREAM: the plugin installs nothing for them).
     patched: Tuple[str, ...] = ()
+    # False for a release newer than the newest this plugin was checked against:
+    # it runs as pass-through (the -ext names keep working after an upgrade),
+    # with one warning naming the known range.
+    known: bool = True
+
+    @property
+    def support_text(self) -> str:
+        """``support`` for people: "unknown release: pass-through" for an unknown newer release."""
+        return self.support.value if self.known else f"unknown release: {self.support.value}"
+
+    def unknown_release_warning(self) -> Optional[str]:
+        if self.known:
+            return None
+        return (
+            f"SGLang {self.version} is newer than the newest release sglang-disagg-ext knows "
+            f"({NEWEST_KNOWN}; known: {SUPPORTED_RANGE_TEXT}): the -ext backends pass through to SGLang's "
+            "own classes, as on 0.5.13-0.5.23. Run `sglang-disagg-ext selftest` on this node, and upgrade the plugin."
+        )
 
     @property
     def supported(self) -> bool:
@@ -145,7 +163,7 @@ class ReleasePolicy:
     def summary_line(self) -> str:
         fixes = ", ".join(f"{f}={self.fixes[f].value}" for f in FIXES)
         patched = f" (patched sources: {', '.join(self.patched)})" if self.patched else ""
-        return f"sglang-disagg-ext: SGLang {self.version} ({self.support.value}); {fixes}{patched}"
+        return f"sglang-disagg-ext: SGLang {self.version} ({self.support_text}); {fixes}{patched}"
 
 
 _L, _U, _N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
@@ -159,6 +177,7 @@ _ACTIVE_RELEASES = {
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
+NEWEST_KNOWN = "0.5.23"
 
 
 def policy_for(version: Optional[str]) -> ReleasePolicy:
@@ -173,13 +192,19 @@ def policy_for(version: Optional[str]) -> ReleasePolicy:
         except InvalidVersion:
             parsed = None
     if parsed is not None and not parsed.is_prerelease and not parsed.is_devrelease:
-        if _PASS_THROUGH_MIN <= parsed < _PASS_THROUGH_END:
+        if parsed >= _PASS_THROUGH_MIN:
+            # Past the newest known release: pass-through too (unknown), so an
+            # upgrade of SGLang never stops a server started with an -ext name.
+            # A post-release of an *active* release stays unsupported: its code
+            # may differ where the plugin replaces it, and passing through would
+            # silently drop the fixes the operator installed the plugin for.
             return ReleasePolicy(
                 version,
                 Support.PASS_THROUGH,
                 StateLayout.PER_COMPONENT,
                 {f: _U for f in FIXES},
                 True,
+                known=parsed < _PASS_THROUGH_END,
             )
     return ReleasePolicy(version, Support.UNSUPPORTED, None, {f: _N for f in FIXES}, False)
 

@@ -360,3 +360,32 @@ def test_stock_name_after_an_ext_name_in_one_process_is_stock(loaded, tiny_model
     assert loaded.active_backend() is None
     cls = get_kv_class(TransferBackend("mooncake"), KVClassType.MANAGER)
     assert cls.__module__ == "sglang.srt.disaggregation.mooncake.conn"
+
+
+@pytest.mark.timeout(120)
+def test_release_newer_than_known_passes_through_with_one_warning(tiny_model_dir):
+    """After an upgrade past the newest known release the -ext name still starts, as pass-through:
+    the stock classes, one WARNING naming the known range. (The installed SGLang stands in for the
+    newer release: only the version the plugin reads is changed, in the child process.)"""
+    code = f"""
+import logging
+logging.basicConfig(level=logging.WARNING)
+from sglang_disagg_ext import registration, releases
+releases._current = releases.policy_for("0.6.0")
+registration.load_plugin()
+from sglang.srt.server_args import prepare_server_args
+for _ in range(2):
+    args = prepare_server_args(["--model-path", {tiny_model_dir!r}, "--skip-tokenizer-init", "--device", "cpu",
+        "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake-ext"])
+    if releases.features().server_args_resolve_once:
+        args.resolve_once()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+cls = get_kv_class(TransferBackend(args.disaggregation_transfer_backend), KVClassType.MANAGER)
+print(args.disaggregation_transfer_backend, cls.__module__, registration.active_backend())
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["mooncake", "sglang.srt.disaggregation.mooncake.conn", "mooncake-ext"], out.stdout
+    warnings = [line for line in out.stderr.splitlines() if "is newer than the newest release" in line]
+    assert len(warnings) == 1, out.stderr[-3000:]
+    assert "SGLang 0.6.0 is newer than the newest release sglang-disagg-ext knows (0.5.23;" in warnings[0]

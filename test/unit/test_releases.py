@@ -33,7 +33,7 @@ def test_policy_table(version, support, layout, fixes):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.24", "0.6.0", "0.5.23rc1", "garbage", None])
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.11.post1", "0.5.23rc1", "0.6.0rc1", "garbage", None])
 def test_unsupported_release_error_names_the_range(version):
     p = policy_for(version)
     assert p.support is Support.UNSUPPORTED
@@ -49,3 +49,24 @@ def test_plugin_framework_flag():
     assert not policy_for("0.5.10.post1").has_plugin_framework
     assert policy_for("0.5.11").has_plugin_framework
     assert policy_for("0.5.23").has_plugin_framework
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("version", ["0.5.24", "0.5.30.post2", "0.6.0", "1.0.0"])
+def test_newer_release_than_known_is_pass_through_with_a_warning(version):
+    """An upgrade of SGLang past 0.5.23 never stops a server started with an -ext name."""
+    p = policy_for(version)
+    assert p.support is Support.PASS_THROUGH and not p.known
+    assert tuple(p.fixes[f] for f in ("F1", "F2", "F3", "F4", "F5")) == (U, U, U, U, U)
+    p.check_supported()
+    assert p.support_text == "unknown release: pass-through"
+    warning = p.unknown_release_warning()
+    assert f"SGLang {version} is newer than the newest release sglang-disagg-ext knows (0.5.23;" in warning
+    assert "0.5.10.post1" in warning
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.23", "0.5.23.post3"])
+def test_known_pass_through_releases_give_no_warning(version):
+    p = policy_for(version)
+    assert p.known and p.unknown_release_warning() is None and p.support_text == "pass-through"
