@@ -35,7 +35,7 @@ import logging
 import os
 from typing import Dict, Optional
 
-from sglang_disagg_ext import backend_table, releases
+from sglang_disagg_ext import activation_log, backend_table, releases
 
 logger = logging.getLogger("sglang_disagg_ext")
 
@@ -196,12 +196,12 @@ def activate(ext_name: str) -> None:
             install_retract_fixes()
             routed.append("retract/resume (F5)")
     _active_backend = ext_name
-    logger.info(
-        "%s; %s -> %s",
-        policy.summary_line(),
-        ext_name,
-        ", ".join(routed) if routed else f"stock {base} classes (pass-through)",
-    )
+    line = f"{policy.summary_line()}; {ext_name} -> " + (
+        ", ".join(routed) if routed else f"stock {base} classes (pass-through)")
+    # Lost in a scheduler process (logging is not configured yet); the -ext
+    # manager logs it again once it exists (activation_log).
+    activation_log.record(line)
+    logger.info(line)
 
 
 _warned_unknown = False
@@ -235,6 +235,7 @@ def deactivate() -> None:
     from sglang_disagg_ext.backends.retract import uninstall_retract_fixes
 
     uninstall_retract_fixes()
+    activation_log.record(None)
     _active_backend = None
 
 

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
+from sglang_disagg_ext import activation_log
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -66,6 +67,7 @@ class MooncakeExtKVManager(MooncakeKVManager):
         self._failed_state_sends = set()
         self._failed_state_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+        activation_log.announce(type(self).__name__)
 
     # -- failure plumbing -------------------------------------------------
     def _fail_state_send(self, req, reason: str) -> None:

@@ -58,6 +58,7 @@ except ModuleNotFoundError as _exc:  # pragma: no cover - depends on the machine
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from sglang_disagg_ext import activation_log
 from sglang_disagg_ext.core.state_blocks import mamba_slot_block, paged_byte_blocks
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -227,6 +228,7 @@ class MoriExtKVManager(MoriKVManager):
         self._refused_lock = threading.Lock()
         self._prefill_wire: Dict[str, Optional[str]] = {}
         super().__init__(*args, **kwargs)
+        activation_log.announce(type(self).__name__)
 
     # -- local buffers ---------------------------------------------------------------
     def _register_local_buffers(self) -> None:

@@ -52,6 +52,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_disagg_ext import activation_log
 from sglang_disagg_ext.core import mem_kind
 from sglang_disagg_ext.core.head_slice import (
     HeadLayout,
@@ -298,6 +299,7 @@ class NixlExtKVManager(NixlKVManager):
         self._ext_layouts: Dict[tuple, HeadLayout] = {}
         self._ext_total_kv_heads: Optional[int] = None
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        activation_log.announce(type(self).__name__)
 
     # -- registration ------------------------------------------------------------------
     def register_buffer_to_engine(self):

@@ -71,6 +71,19 @@ def test_ext_name_on_this_release_transfers_state():
     assert result.ok, result.describe()
     assert result.prefill_manager.startswith(EXT_MODULE), result.describe()
     assert result.decode_manager.startswith(EXT_MODULE), result.describe()
+    # The activation line reaches the log of each process that transfers, at INFO
+    # (SGLang's default level), naming the release, the backend and what is routed.
+    for role in ("prefill", "decode"):
+        lines = result.plugin_log[role]
+        if ACTIVE:
+            announced = [x for x in lines if "active in this process" in x]
+            assert len(announced) == 1, lines
+            assert f"SGLang {POLICY.version} (active)" in announced[0], announced
+            assert "mooncake-ext -> MooncakeKVManager" in announced[0], announced
+            manager = getattr(result, f"{role}_manager").rsplit(".", 1)[1]
+            assert f", {manager})" in announced[0], announced
+        else:
+            assert any("mooncake-ext -> stock mooncake classes (pass-through)" in x for x in lines), lines
 
 
 @pytest.mark.timeout(400)

@@ -107,6 +107,8 @@ class ScenarioResult:
     exit_codes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
     # Per worker: "forked" (from the warm fork server) or "fresh" (a new interpreter), and its PID.
     launch: Dict[str, str] = dataclasses.field(default_factory=dict)
+    # Per worker: the plugin's INFO lines (its activation line), as a server logs them.
+    plugin_log: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
     pids: Dict[str, int] = dataclasses.field(default_factory=dict)
     killed: List[str] = dataclasses.field(default_factory=list)
     prefill_log_tail: str = ""
@@ -499,6 +501,7 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.classes = {name: side[name].get("classes", {}) for name in names}
     result.timings = {name: side[name].get("timings", {}) for name in names}
     result.engines = {name: side[name].get("engine") for name in names}
+    result.plugin_log = {name: side[name].get("plugin_log", []) for name in names}
     result.pool_devices = {name: pool_devices(side[name]) for name in names}
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")

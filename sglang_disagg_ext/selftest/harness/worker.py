@@ -47,8 +47,8 @@ def _now() -> float:
 class _LogCapture(logging.Handler):
     """Keeps WARNING+ records (SGLang's own, e.g. state-index trims) with times."""
 
-    def __init__(self):
-        super().__init__(level=logging.WARNING)
+    def __init__(self, level=logging.WARNING):
+        super().__init__(level=level)
         self.lines: List[tuple] = []
         self._mu = threading.Lock()
 
@@ -96,11 +96,13 @@ class Worker:
             "done": False,
         }
         self.logs = _LogCapture()
+        self.plugin_log = _LogCapture(level=logging.INFO)
         self.thread_errors = _ThreadErrors()
 
     # -- result file ---------------------------------------------------------
     def write_result(self) -> None:
         self.result["thread_errors"] = [m for _, m in self.thread_errors.items][:20]
+        self.result["plugin_log"] = [m for _, m in self.plugin_log.lines if m.startswith("INFO ")][:20]
         tmp = self.args.result + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.result, f, indent=1, default=str)
@@ -733,6 +735,11 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = Worker(args)
     logging.getLogger().addHandler(worker.logs)
+    # The plugin's own INFO lines (its activation line), as a server at SGLang's
+    # default log level shows them.
+    plugin_logger = logging.getLogger("sglang_disagg_ext")
+    plugin_logger.setLevel(logging.INFO)
+    plugin_logger.addHandler(worker.plugin_log)
     for name in filter(None, (n.strip() for n in os.environ.get(DEBUG_LOGGERS_ENV, "").split(","))):
         logging.getLogger(name).setLevel(logging.DEBUG)
     rc = worker.main()

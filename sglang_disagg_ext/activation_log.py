@@ -1,0 +1,43 @@
+"""The activation line, logged where transfers happen.
+
+``registration.activate()`` runs inside SGLang's ``load_plugins()``, which in a
+scheduler process runs before SGLang configures logging: a line logged then is
+lost. So ``activate()`` only records the line here, and each ``-ext`` manager
+logs it once per process from its constructor (the scheduler thread, logging
+configured), at INFO: SGLang's default ``--log-level info`` shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+logger = logging.getLogger("sglang_disagg_ext")
+
+_mu = threading.Lock()
+_line: Optional[str] = None
+_announced = False
+
+
+def record(line: Optional[str]) -> None:
+    """What ``activate()`` installed in this process (None: nothing)."""
+    global _line, _announced
+    with _mu:
+        _line, _announced = line, False
+
+
+def announce(manager_class: str) -> bool:
+    """Log the recorded line once per process; True if this call logged it."""
+    global _announced
+    from sglang_disagg_ext import __version__
+
+    with _mu:
+        if _announced or _line is None:
+            return False
+        _announced = True
+        line = _line
+    logger.info("sglang-disagg-ext %s active in this process (pid %d, %s): %s", __version__, os.getpid(),
+                manager_class, line)
+    return True
