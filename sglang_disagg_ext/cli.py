@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", action="append", metavar="NAME",
                    help="run only this scenario (repeatable; exact row name)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
+    p.add_argument("--list", action="store_true", help="print the scenario names for these backends and exit")
     p.set_defaults(func=_selftest)
 
     for name, (_, text) in DEPLOY_COMMANDS.items():

@@ -34,3 +34,14 @@ def test_version_names_plugin_and_sglang(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out.strip()
     assert out == f"sglang-disagg-ext {version('sglang-disagg-ext')} (SGLang {releases.installed_sglang_version()})"
+
+
+@pytest.mark.timeout(60)
+def test_selftest_list_names_the_rows_and_runs_nothing(capsys):
+    assert cli.main(["selftest", "--list", "--backend", "mooncake"]) == 0
+    names = capsys.readouterr().out.splitlines()
+    # Hand-listed: the Mooncake F1 rows of every release, and the three F5 rows.
+    for name in ("swa 5 vs 3 pages", "swa 3 vs 2 pages", "nsa 3 vs 5 pages",
+                 "metadata get_buf isolated from slot reuse", "NSA _clear_buffers releases index_k"):
+        assert name in names
+    assert not any(line.startswith("[selftest]") for line in names)
