@@ -62,26 +62,30 @@ def port_in_use(host: str, port: int) -> Optional[str]:
     return None
 
 
-def _ephemeral_low() -> int:
+def ephemeral_range() -> Tuple[int, int]:
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_ports(host: str, count: int, low: int = 20000) -> List[int]:
-    """``count`` distinct ports free on ``host`` right now, below the kernel's ephemeral range.
+    """``count`` distinct ports free on ``host`` right now, outside the kernel's ephemeral range.
 
-    Below it because the servers' own ZMQ, NCCL/gloo and transfer-engine sockets
-    take ephemeral ports, which could grab a port picked from that range before
-    the server that was given it binds.
+    The one free-port helper of the project (deploy tools, the self-test harness).
+    Outside the ephemeral range because the servers' own ZMQ, NCCL/gloo, UCX and
+    transfer-engine sockets take ephemeral ports, which could grab a port picked
+    from that range before the server that was given it binds; from ``low`` up
+    because Mooncake's handshake and TCP transport take about 12000-17999.
     """
     import random
 
-    high = _ephemeral_low()
+    lo, hi = ephemeral_range()
+    pool = [p for p in range(low, 65001) if not lo <= p <= hi]
     chosen: List[int] = []
-    if high - low >= 100:
-        candidates = random.sample(range(low, high), min(high - low, 50 * count + 50))
+    if len(pool) >= 100:
+        candidates = random.sample(pool, min(len(pool), 50 * count + 50))
         for port in candidates:
             if len(chosen) == count:
                 break

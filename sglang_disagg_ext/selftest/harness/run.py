@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -31,8 +29,6 @@ from .transport import TransferOptions, engine_env
 
 FINAL = ("Success", "Failed")
 
-# Mooncake's P2P handshake and TCP transport pick ports in about 12000-17999.
-_AVOID = (12000, 17999)
 _KEEP_ENV = "SGLANG_HARNESS_KEEP"
 # Env that must not leak from the parent into stock runs (registration.py).
 _STRIP_ENV = (
@@ -204,36 +200,11 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 # -- ports ---------------------------------------------------------------------------
 
 
-def ephemeral_range() -> tuple:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+def find_free_port() -> int:
+    """One port free on 127.0.0.1, outside the ephemeral and Mooncake ranges (``deploy.procs.free_ports``)."""
+    from sglang_disagg_ext.deploy.procs import free_ports
 
-
-def find_free_port(rng: Optional[random.Random] = None, attempts: int = 200) -> int:
-    """A port outside the kernel's ephemeral range (ZMQ, UCX and gloo take those)
-    and outside Mooncake's handshake range, that binds on 127.0.0.1 right now."""
-    rng = rng or random.Random()
-    lo, hi = ephemeral_range()
-    candidates = [(20000, lo - 1)] if lo > 20001 else []
-    if hi < 64999:
-        candidates.append((hi + 1, 65000))
-    candidates = [(a, b) for a, b in candidates if b > a] or [(20000, 30000)]
-    for _ in range(attempts):
-        a, b = rng.choice(candidates)
-        port = rng.randint(a, b)
-        if _AVOID[0] <= port <= _AVOID[1] or lo <= port <= hi:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
+    return free_ports("127.0.0.1", 1)[0]
 
 
 # -- processes -------------------------------------------------------------------------
