@@ -2,7 +2,6 @@
 
 import random
 import struct
-import time
 import tracemalloc
 
 import msgspec
@@ -317,14 +316,11 @@ def test_forged_lengths_refused_without_big_allocation(payload, pattern):
     }[payload[len(WIRE_MAGIC) + 1 : len(WIRE_MAGIC) + 2]]
     tracemalloc.start()
     try:
-        t0 = time.perf_counter()
         with pytest.raises(StateWireError, match=pattern):
             decode(payload)
-        elapsed = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 1.0
     assert peak < 4 * len(payload) + (1 << 20), peak
 
 
@@ -400,24 +396,35 @@ def _mutate(rng: random.Random, blob: bytes) -> bytes:
 
 @pytest.mark.timeout(240)
 def test_fuzz_only_state_wire_error():
+    """Every mutated message decodes or raises StateWireError, and no decode allocates more
+    than a small multiple of its input: a length field is never trusted for an allocation.
+    (Memory, measured by tracemalloc, is deterministic; time would be noise.)"""
     rng = random.Random(0xF3)
     n_inputs = 12000
-    slowest = 0.0
+    worst = (0, 0)  # (peak bytes allocated by one decode, its input length)
     accepted = 0
-    for n in range(n_inputs):
-        blob = _random_valid(rng)
-        if n % 10:  # one in ten stays valid, to keep the decoders honest
-            blob = _mutate(rng, blob)
-            if rng.random() < 0.3:
+    tracemalloc.start()
+    try:
+        for n in range(n_inputs):
+            blob = _random_valid(rng)
+            if n % 10:  # one in ten stays valid, to keep the decoders honest
                 blob = _mutate(rng, blob)
-        for decode in DECODERS:
-            t0 = time.perf_counter()
-            try:
-                decode(blob)
-                accepted += 1
-            except StateWireError:
-                pass
-            # Any other exception type propagates and fails the test.
-            slowest = max(slowest, time.perf_counter() - t0)
-    assert slowest < 0.25, f"slowest decode took {slowest:.3f}s"
+                if rng.random() < 0.3:
+                    blob = _mutate(rng, blob)
+            for decode in DECODERS:
+                tracemalloc.reset_peak()
+                base = tracemalloc.get_traced_memory()[0]
+                try:
+                    decode(blob)
+                    accepted += 1
+                except StateWireError:
+                    pass
+                # Any other exception type propagates and fails the test.
+                peak = tracemalloc.get_traced_memory()[1] - base
+                worst = max(worst, (peak, len(blob)))
+    finally:
+        tracemalloc.stop()
+    # Decoded lists of Python ints cost ~36 bytes per encoded byte at most; 64 KiB covers
+    # the bookkeeping of one decode. A trusted length field would allocate megabytes.
+    assert worst[0] <= 64 * 1024 + 64 * worst[1], f"one decode allocated {worst[0]} bytes for {worst[1]} input bytes"
     assert accepted > n_inputs // 10  # the valid tenth decodes with its own decoder
