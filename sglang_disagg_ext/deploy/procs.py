@@ -71,18 +71,20 @@ def ephemeral_range() -> Tuple[int, int]:
 
 
 def free_ports(host: str, count: int, low: int = 20000) -> List[int]:
-    """``count`` distinct ports free on ``host`` right now, outside the kernel's ephemeral range.
+    """``count`` distinct ports free on ``host`` right now, below the kernel's ephemeral range.
 
     The one free-port helper of the project (deploy tools, the self-test harness).
-    Outside the ephemeral range because the servers' own ZMQ, NCCL/gloo, UCX and
+    Below the ephemeral range because the servers' own ZMQ, NCCL/gloo, UCX and
     transfer-engine sockets take ephemeral ports, which could grab a port picked
     from that range before the server that was given it binds; from ``low`` up
-    because Mooncake's handshake and TCP transport take about 12000-17999.
+    because Mooncake's handshake and TCP transport take about 12000-17999. Not
+    above the ephemeral range either: SGLang derives further ports from a server's
+    port (0.5.11: its gRPC port, which must stay below 65536).
     """
     import random
 
-    lo, hi = ephemeral_range()
-    pool = [p for p in range(low, 65001) if not lo <= p <= hi]
+    lo, _ = ephemeral_range()
+    pool = list(range(low, lo))
     chosen: List[int] = []
     if len(pool) >= 100:
         candidates = random.sample(pool, min(len(pool), 50 * count + 50))

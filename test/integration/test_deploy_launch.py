@@ -290,6 +290,12 @@ def test_stop_without_a_run_record_says_so(tmp_path):
 def test_free_ports_are_distinct_and_bindable():
     ports = free_ports("127.0.0.1", 4)
     assert len(set(ports)) == 4
+    # Above Mooncake's handshake range (12000-17999), below the kernel's ephemeral range:
+    # SGLang adds 10000 to a server port for its gRPC port (0.5.11), which must stay < 65536.
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    many = free_ports("127.0.0.1", 200)
+    assert all(20000 <= p < ephemeral_low for p in many), sorted(many)[-5:]
     for port in ports:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
