@@ -29,15 +29,14 @@ from typing import Dict, List, Optional
 from sglang_disagg_ext import __version__, releases
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness.transport import TransferOptions, TransportOptionError
-from sglang_disagg_ext.selftest.rows import COLUMNS, format_table, make_row, show_progress, summary_line, totals  # noqa: F401
+from sglang_disagg_ext.backend_table import BACKENDS
+from sglang_disagg_ext.selftest.rows import format_table, make_row, show_progress, summary_line, totals
 
 # Worker errors after which every further run of this selftest would fail the
 # same way (the engine or the device cannot start here): later scenarios are
 # reported, not run.
 _ENGINE_START_FAILURES = ("RDMA init failed", "CUDA is not available")
 
-# Every row of every fix family is built by one function (rows.make_row).
-_row = make_row
 
 
 def engine_start_failure(result) -> Optional[str]:
@@ -66,7 +65,7 @@ def observed(result) -> Dict:
 
 def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
     """A row for a scenario skipped because an earlier run showed the engine cannot start here."""
-    return _row(name, fix, backend, "fail", "fail", False, 0.0, ext_detail=f"not run: {why}", **extra)
+    return make_row(name, fix, backend, "fail", "fail", False, 0.0, ext_detail=f"not run: {why}", **extra)
 
 
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
@@ -98,7 +97,7 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
         if stock_expected == "fail" and stock_ok:
             not_reproduced = "stock passed"
         rows.append(
-            _row(
+            make_row(
                 builtin.name,
                 builtin.fix,
                 "mooncake",
@@ -119,9 +118,8 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
 
 
 # backend -> (module, function) providing that backend's rows (backend_table).
-from sglang_disagg_ext.backend_table import BACKENDS as _BACKENDS  # noqa: E402
 
-_ROW_SOURCES = {b.name: b.selftest_rows for b in _BACKENDS}
+_ROW_SOURCES = {b.name: b.selftest_rows for b in BACKENDS}
 
 
 def collect_rows(backends: List[str], timeout_s: float, options: Optional[TransferOptions] = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -477,18 +478,9 @@ class Worker:
         rec)`` after the transfer and before verification. The harness's own tests
         use it (``test/support/tamper.py``) to show the verification sees a single
         wrong byte; nothing in the package sets it."""
-        spec = os.environ.get(DECODE_HOOK_ENV)
-        if not spec:
-            return
-        import importlib.util
-
-        path, _, func = spec.rpartition(":")
-        module_spec = importlib.util.spec_from_file_location("harness_decode_hook", path)
-        if module_spec is None or module_spec.loader is None:
-            raise ValueError(f"{DECODE_HOOK_ENV}={spec!r}: cannot load {path!r}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        getattr(module, func)(self.pools, rec)
+        hook = _decode_hook()
+        if hook is not None:
+            hook(self.pools, rec)
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:
         from sglang_disagg_ext.selftest.harness import patterns
@@ -603,6 +595,23 @@ class _Pool:
         if len(devices) > 1:
             raise RuntimeError(f"{name}: buffers on several devices: {devices}")
         self.device = devices[0] if devices else None
+
+
+@functools.lru_cache(maxsize=1)
+def _decode_hook():
+    """The ``SGLANG_HARNESS_DECODE_HOOK`` function, loaded once per process (None when unset)."""
+    spec = os.environ.get(DECODE_HOOK_ENV)
+    if not spec:
+        return None
+    import importlib.util
+
+    path, _, func = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("harness_decode_hook", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"{DECODE_HOOK_ENV}={spec!r}: cannot load {path!r}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, func)
 
 
 def _split(pages: list, n: int) -> List[list]:

@@ -101,18 +101,13 @@ def _dsv4_state(policy: releases.ReleasePolicy) -> Scenario:
     return _paged_state("dsv4 state, 3 pages", kind, [2, 3, 4], [9, 10, 11])
 
 
-def failed_fast(r, bound_s: float = FAILED_WITHIN_S) -> bool:
-    """Both sides of request ``r`` reached Failed, each with a reason, within ``bound_s``."""
-    return r.failed_within(bound_s)
-
-
 def _failed_then_served(result) -> bool:
     """Request 0 Failed on both sides with a reason, well under SGLang's timeouts, nothing
     written outside its pages; request 1 ok."""
     if result.error or len(result.requests) != 2:
         return False
     bad, good = result.requests
-    return failed_fast(bad) and not any("must be untouched" in m for m in bad.mismatches) and good.ok
+    return bad.failed_within(FAILED_WITHIN_S) and not any("must be untouched" in m for m in bad.mismatches) and good.ok
 
 
 # -- stock failure signatures ---------------------------------------------------------

@@ -98,17 +98,13 @@ def all_ok(result) -> bool:
 FAILED_WITHIN_S = min(TIMEOUTS.sglang_waiting_s, TIMEOUTS.sglang_bootstrap_s) / 2
 
 
-def _final_in_time(r, bound_s: float = FAILED_WITHIN_S) -> bool:
-    return r.failed_within(bound_s)
-
-
 def swa_ok(result) -> bool:
     """Requests 0 and 2 transfer every byte; request 1 (3 vs 2 pages) ends Failed on both sides, fast."""
     if result.error or len(result.requests) != 3:
         return False
     good = result.requests[0].ok and result.requests[2].ok
     # Well under SGLang's own waiting timeout: decode was told, it did not time out.
-    return good and _final_in_time(result.requests[1])
+    return good and result.requests[1].failed_within(FAILED_WITHIN_S)
 
 
 def swa_host_ok(result) -> bool:
@@ -117,7 +113,7 @@ def swa_host_ok(result) -> bool:
 
 
 def swa_mismatch_ok(result) -> bool:
-    return not result.error and len(result.requests) > 1 and _final_in_time(result.requests[1])
+    return not result.error and len(result.requests) > 1 and result.requests[1].failed_within(FAILED_WITHIN_S)
 
 
 def layout_ok(result) -> bool:
@@ -126,7 +122,7 @@ def layout_ok(result) -> bool:
         return False
     r = result.requests[0]
     reason = " ".join(filter(None, [r.prefill_failure_reason, r.decode_failure_reason]))
-    return _final_in_time(r) and "3 KV heads" in reason and "2" in reason
+    return r.failed_within(FAILED_WITHIN_S) and "3 KV heads" in reason and "2" in reason
 
 
 # -- the table ------------------------------------------------------------------
