@@ -211,12 +211,13 @@ def main(argv=None) -> int:
     from sglang_disagg_ext import releases
 
     policy = releases.current_policy()
-    if policy.support is not releases.Support.ACTIVE:
-        # Pass-through: the -ext names run SGLang's own classes, so ext vs stock
-        # would compare a class with itself.
-        print(f"bench: SGLang {policy.version} is {policy.support.value} for sglang-disagg-ext; the -ext backends "
-              f"are SGLang's own classes there and there is nothing to compare. Run it on a release with live "
-              f"fixes, e.g. make bench SGLANG=0.5.12.post1", file=sys.stderr)
+    if not policy.is_live("F5"):
+        # Items 3-4 measure F4/F5 code and items 1-2 the -ext transfer path as it is
+        # on releases with F1-F5; where those are upstream (0.5.13+) there is no such
+        # code to compare with stock.
+        print(f"bench: SGLang {policy.version} ({policy.support.value}) already has the fixes this bench measures "
+              f"(F1-F5 upstream); there is nothing to compare. Run it on a release with F1-F5 live, e.g. "
+              f"make bench SGLANG=0.5.12.post1", file=sys.stderr)
         return 2
     out = run(args)
     with open(args.out + ".tmp", "w") as f:

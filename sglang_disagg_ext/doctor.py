@@ -123,11 +123,11 @@ def format_report(report: Dict) -> str:
         "engines:      "
         + ", ".join(f"{name} {yes_no[ok]}" for name, ok in report["engines"].items()),
         "",
-        "fix  backend   in this release  plugin activates",
+        "fix  backend   in this release    plugin activates",
     ]
     for fix, info in report["fixes"].items():
         lines.append(
-            f"{fix}   {info['backend']:<9} {info['status']:<16} {yes_no[info['active']]:<5} "
+            f"{fix}   {info['backend']:<9} {info['status']:<18} {yes_no[info['active']]:<5} "
             f"{releases.FIX_TITLES[fix]}"
         )
     lines.append("")

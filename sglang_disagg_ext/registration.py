@@ -130,6 +130,11 @@ def _wrap_server_args_resolution() -> None:
     setattr(ServerArgs, method, resolve_then_original)
 
 
+# The ServerArgs records resolve_ext_backend rewrote in this process (the last few).
+_rewritten: list = []
+_REWRITTEN_KEPT = 16
+
+
 def resolve_ext_backend(server_args) -> Optional[str]:
     """Rewrite an ``-ext`` backend name to its base and activate the plugin.
 
@@ -138,6 +143,11 @@ def resolve_ext_backend(server_args) -> Optional[str]:
     name is asked for on a release the plugin does not support.
     """
     name = getattr(server_args, "disaggregation_transfer_backend", None)
+    if any(record is server_args for record in _rewritten):
+        # A record this process already rewrote ("mooncake-ext" -> "mooncake"),
+        # resolved again: 0.5.23's resolve_once() is called more than once and
+        # returns early the second time. Its base name is not a stock choice.
+        return None
     if name not in releases.EXT_BACKENDS:
         if os.environ.get(SELECTED_BY_ENV) == str(os.getpid()):
             # This process chose an -ext backend for earlier arguments and now
@@ -149,6 +159,10 @@ def resolve_ext_backend(server_args) -> Optional[str]:
         return None
     releases.current_policy().check_supported()
     server_args.disaggregation_transfer_backend = releases.EXT_BACKENDS[name]
+    # Held (not weakly: a msgspec ServerArgs takes no weak reference) so a second
+    # resolution of the same record is recognised; a process builds a few.
+    _rewritten.append(server_args)
+    del _rewritten[:-_REWRITTEN_KEPT]
     os.environ.update(selection_env(name))
     activate(name)
     return name

@@ -8,14 +8,28 @@ comparing version strings itself.
 
 Facts come from reading each release's wheel (``shared/notes/sglang-releases.md``):
 
-===============  ====  ====  ====  ====  ====  ==============
-release           F1    F2    F3    F4    F5   state layout
-===============  ====  ====  ====  ====  ====  ==============
-0.5.10.post1      live  live  n/a   live  live  flat
-0.5.11            up    live  n/a   live  live  flat
-0.5.12(.post1)    up    up    live  live  live  per-component
-0.5.13 … 0.5.23   up    up    up    up    up    per-component
-===============  ====  ====  ====  ====  ====  ==============
+=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
+release         F1    F2    F3    F4    F5    F6      F7      F8     state layout
+=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
+0.5.10.post1    live  live  n/a   live  live  uncov.  live    live    flat
+0.5.11          up    live  n/a   live  live  uncov.  live    live    flat
+0.5.12(.post1)  up    up    live  live  live  uncov.  live    live    per-component
+0.5.13 … 0.5.22 up    up    up    up    up    uncov.  uncov.  uncov.  per-component
+0.5.23          up    up    up    up    up    live    live    live    per-component
+=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
+
+"uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
+this plugin version has no adapter proven against its code, so ``-ext`` passes
+through there (F6 before 0.5.23: the decode registration is built inside the
+receiver and prefill's bootstrap loop reads its socket directly, so the manager
+has no hook to publish or read decode's pool sizes). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
+F6 one failed KV send blacklists the decode session (0.5.10.post1
+mooncake/conn.py:1270-1271 ... 0.5.23 :2742-2745), no release checks destination
+indices against decode's pools, and no registration message carries them; F7
+``CommonKVManager.get_mha_kv_ptrs_with_pp`` is the same code in every release
+(0.5.23 common/conn.py:1718-1749) and guesses a draft model from the layer counts;
+F8 ``transfer_worker`` re-raises (0.5.10.post1 :1339-1343 ... 0.5.23 :2878) and
+the bootstrap/decode loops have no handler.
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
 head replicas by modulo (nixl/conn.py:1002-1004), keys KV tags on the TP rank only
@@ -58,7 +72,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -66,17 +80,29 @@ FIX_TITLES = {
     "F3": "MoRI per-component hybrid state (wire format, registration, dispatch)",
     "F4": "NIXL heterogeneous TP: total-head slice with GQA replication, per-rank notification key",
     "F5": "Retract/resume: metadata buffers copied, NSA index-key buffer offloaded and released",
+    "F6": "Mooncake: a request with out-of-pool destination indices is refused before the engine; the peer session stays usable",
+    "F7": "Mooncake: hybrid state buffers paired by layer (MTP/draft tail layers), refused where they cannot be paired",
+    "F8": "Mooncake: transfer, bootstrap and decode threads survive an unexpected exception; the affected room ends Failed",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
-FIX_BACKEND = {"F1": "mooncake", "F2": "mooncake", "F3": "mori", "F4": "nixl", "F5": "all"}
+FIX_BACKEND = {
+    "F1": "mooncake",
+    "F2": "mooncake",
+    "F3": "mori",
+    "F4": "nixl",
+    "F5": "all",
+    "F6": "mooncake",
+    "F7": "mooncake",
+    "F8": "mooncake",
+}
 
 # -ext name -> base name, from the one backend table.
 EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
-    "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 (fixes active) and "
-    "0.5.13 through 0.5.23 (pass-through to the stock classes)"
+    "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
+    "0.5.13 through 0.5.22 (pass-through to the stock classes)"
 )
 
 
@@ -84,6 +110,10 @@ class FixStatus(str, enum.Enum):
     LIVE = "live"
     UPSTREAM = "upstream"
     NA = "n/a"
+    # The bug is live in the release, but this plugin version has no adapter proven
+    # against that release's code (no CI leg): the -ext name passes through there
+    # and doctor says so, instead of installing code written for another release.
+    UNCOVERED = "live, not covered"
 
 
 class StateLayout(str, enum.Enum):
@@ -148,6 +178,17 @@ class ReleasePolicy:
     def is_live(self, fix: str) -> bool:
         return self.fixes.get(fix) is FixStatus.LIVE
 
+    def routes(self, backend: str) -> bool:
+        """Whether the ``-ext`` name of ``backend`` ("mooncake", ...) runs plugin classes here.
+
+        True where the release is active and one of that backend's own fixes is
+        live; otherwise the ``-ext`` name passes through to SGLang's classes for
+        that backend (e.g. ``nixl-ext`` on 0.5.23, where only Mooncake fixes are live).
+        """
+        return self.support is Support.ACTIVE and any(
+            self.is_live(f) for f in FIXES if FIX_BACKEND[f] == backend
+        )
+
     def active_fixes(self):
         """Fixes whose fixed code the plugin installs in this release."""
         return [f for f in FIXES if self.is_live(f)]
@@ -166,14 +207,24 @@ class ReleasePolicy:
         return f"sglang-disagg-ext: SGLang {self.version} ({self.support_text}); {fixes}{patched}"
 
 
-_L, _U, _N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
+_L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L}, True),
 }
+
+# 0.5.13 ... 0.5.22 (and their .postN): F1-F5 upstream; the Mooncake bugs F6-F8
+# fix are live in every one of them (read in each wheel: session blacklisted
+# after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284, 0.5.22
+# :2672-2673; get_mha_kv_ptrs_with_pp identical in every release; transfer_worker
+# re-raises, 0.5.13 :1366, 0.5.22 :2806), but the adapters are written and
+# tested against 0.5.23's manager (whose hooks, e.g. conclude_failure and
+# _make_worker_recv, those releases lack or shape differently): uncovered.
+_PASS_THROUGH_FIXES = {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X}
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
@@ -198,13 +249,14 @@ def policy_for(version: Optional[str]) -> ReleasePolicy:
             # A post-release of an *active* release stays unsupported: its code
             # may differ where the plugin replaces it, and passing through would
             # silently drop the fixes the operator installed the plugin for.
+            known = parsed < _PASS_THROUGH_END
             return ReleasePolicy(
                 version,
                 Support.PASS_THROUGH,
                 StateLayout.PER_COMPONENT,
-                {f: _U for f in FIXES},
+                dict(_PASS_THROUGH_FIXES) if known else {f: _U for f in FIXES},
                 True,
-                known=parsed < _PASS_THROUGH_END,
+                known=known,
             )
     return ReleasePolicy(version, Support.UNSUPPORTED, None, {f: _N for f in FIXES}, False)
 

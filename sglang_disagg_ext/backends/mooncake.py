@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Sequence
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
 from sglang_disagg_ext import activation_log
+from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
+from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
+from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -257,8 +260,40 @@ def _component(per_component: Optional[Sequence], i: int) -> list:
     return list(per_component[i])
 
 
+# The per-fix mixins, in MRO order (first = outermost). Each is a plain class
+# whose overrides call ``super()``, so any subset composes over the state class.
+_FIX_MIXINS = (
+    ("F6", RequestIsolationMixin),
+    ("F7", StatePairingMixin),
+    ("F8", ThreadSurvivalMixin),
+)
+
+
+def manager_class(policy: ReleasePolicy) -> Optional[type]:
+    """The ``-ext`` Mooncake manager for ``policy``'s release, or ``None`` (pass-through).
+
+    The state class carries F1/F2 where either is live (it replaces
+    ``maybe_send_extra``); elsewhere :class:`MooncakeExtKVManager` keeps stock's
+    state path. The live fixes' mixins go in front of it.
+    """
+    mixins = tuple(mixin for fix, mixin in _FIX_MIXINS if policy.is_live(fix))
+    if policy.is_live("F1") or policy.is_live("F2"):
+        state_class = MooncakeExtKVManagerFlat if policy.layout is StateLayout.FLAT else MooncakeExtKVManagerPerComponent
+    elif mixins:
+        state_class = MooncakeExtKVManager
+    else:
+        return None
+    if not mixins:
+        return state_class
+    fixes = "".join(fix for fix, mixin in _FIX_MIXINS if mixin in mixins)
+    return type(
+        f"{state_class.__name__}_{fixes}",
+        mixins + (state_class,),
+        {"__module__": __name__, "__doc__": f"{state_class.__doc__} With {', '.join(m.__name__ for m in mixins)}."},
+    )
+
+
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mooncake`` to route to the plugin."""
-    if policy.layout is StateLayout.FLAT:
-        return {"MooncakeKVManager": MooncakeExtKVManagerFlat}
-    return {"MooncakeKVManager": MooncakeExtKVManagerPerComponent}
+    cls = manager_class(policy) if policy.routes("mooncake") else None
+    return {"MooncakeKVManager": cls} if cls is not None else {}

@@ -666,7 +666,7 @@ class MoriExtKVBootstrapServer(MoriKVBootstrapServer):
 
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin (F3 live only)."""
-    if not policy.is_live("F3"):
+    if not policy.routes("mori"):
         return {}
     return {
         "MoriKVManager": MoriExtKVManager,

@@ -62,7 +62,7 @@ from sglang_disagg_ext.core.head_slice import (
     resolve_total_kv_heads,
 )
 from sglang_disagg_ext.core.nixl_notif import failure_tag, parse_failure_tag, with_sender_id
-from sglang_disagg_ext.releases import ReleasePolicy, Support
+from sglang_disagg_ext.releases import ReleasePolicy
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
@@ -718,6 +718,6 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     build notification tags, the sender's failure path) are handled where
     they appear, by shape, not by version.
     """
-    if policy.support is not Support.ACTIVE:
+    if not policy.routes("nixl"):
         return {}
     return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender}

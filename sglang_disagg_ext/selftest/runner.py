@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -68,24 +69,57 @@ def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
     return make_row(name, fix, backend, "fail", "fail", False, 0.0, ext_detail=f"not run: {why}", **extra)
 
 
+def mooncake_scenarios(policy) -> List:
+    """Every Mooncake scenario that applies on ``policy``'s release, by fix (F1/F2, F6, F7, F8)."""
+    from sglang_disagg_ext.selftest.scenarios import isolation, mooncake, state_pairing, thread_survival
+
+    out = list(mooncake.scenarios_for(policy))
+    for module in (isolation, state_pairing, thread_survival):
+        out += [s for s in module.SCENARIOS if s.applies(policy)]
+    return out
+
+
+def prefill_fault_hooks() -> Optional[str]:
+    """Path of the test-only prefill fault hooks (F8 rows), or None outside a source checkout.
+
+    They make one SGLang method raise in the prefill worker; nothing a
+    well-formed request does makes stock raise there, so the rows need them,
+    and they are not in the wheel (``test/support/``).
+    """
+    from sglang_disagg_ext.selftest.harness.run import _repo_root
+
+    path = os.path.join(_repo_root(), "test", "support", "prefill_faults.py")
+    return path if os.path.isfile(path) else None
+
+
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
                   names: Optional[List[str]] = None) -> List[Dict]:
     from sglang_disagg_ext.selftest.harness.run import run_scenario
-    from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 
     transfer = dataclasses.asdict(options or TransferOptions())
     rows = []
     start_failure = None
-    for builtin in scenarios_for(policy):
+    hooks = prefill_fault_hooks()
+    for builtin in mooncake_scenarios(policy):
         if names is not None and builtin.name not in names:
             continue
         if start_failure:
             rows.append(not_run_row(builtin.name, builtin.fix, "mooncake", start_failure))
             continue
+        hook = getattr(builtin, "prefill_hook", "")
+        if hook and hooks is None:
+            rows.append(make_row(builtin.name, builtin.fix, "mooncake", "n/a", "n/a", False, 0.0,
+                                 why="no source checkout: the fault hook (test/support/prefill_faults.py) "
+                                     "that makes a transfer-path thread raise is not in the wheel"))
+            continue
+        if hook:
+            transfer_run = dict(transfer, extra_env={"SGLANG_HARNESS_PREFILL_HOOK": f"{hooks}:{hook}"})
+        else:
+            transfer_run = transfer
         start = time.monotonic()
         scenario = builtin.build(policy)
-        stock = run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer)
-        ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s, **transfer)
+        stock = run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer_run)
+        ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s, **transfer_run)
         failure = engine_start_failure(ext) or engine_start_failure(stock)
         if failure:
             start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
@@ -154,9 +188,7 @@ def scenario_names(backends: List[str]) -> List[str]:
     policy = releases.current_policy()
     names: List[str] = []
     if "mooncake" in backends:
-        from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
-
-        names += [b.name for b in scenarios_for(policy)]
+        names += [b.name for b in mooncake_scenarios(policy)]
     if "nixl" in backends:
         from sglang_disagg_ext.selftest.scenarios.nixl import builtin_scenarios
 
@@ -267,7 +299,7 @@ def main(args) -> int:
             return 2
     show_progress(sys.stderr)
     print(f"[selftest] SGLang {policy.version} ({policy.support_text}); backends {', '.join(backends)}; "
-          f"{options.describe()}; each row runs stock and -ext (about 1-25 s a row, 1.5 min for all on a "
+          f"{options.describe()}; each row runs stock and -ext (about 1-25 s a row, 3 min for all on a "
           "2-core CPU machine)", file=sys.stderr, flush=True)
     # SGLang's import-time UserWarnings (no Triton, no CUDA kernels) say nothing about transfers.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")

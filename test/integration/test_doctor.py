@@ -11,12 +11,15 @@ import pytest
 # (supported, live fixes, entry point discovered). 0.5.12.post1 has F4 and F5 live: its NIXL
 # slice maps decode-side head replicas by modulo (nixl/conn.py:1002-1004) and its NSA offload
 # get_cpu_copy(self, indices) (memory_pool.py:2145) rejects the allocator's mamba_indices=
-# (allocator.py:524).
+# (allocator.py:524). F6-F8 (Mooncake) read in each wheel: live in all four, e.g. one failed
+# KV send blacklists the session (0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.11 :1275-1276,
+# 0.5.12.post1 :1323-1324, 0.5.23 :2742-2745).
+# F6 is live there too but not covered before 0.5.23 (status "live, not covered", not live).
 TRUTH = {
-    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5"}, False),
-    "0.5.11": (True, {"F2", "F4", "F5"}, True),
-    "0.5.12.post1": (True, {"F3", "F4", "F5"}, True),
-    "0.5.23": (True, set(), True),
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F7", "F8"}, False),
+    "0.5.11": (True, {"F2", "F4", "F5", "F7", "F8"}, True),
+    "0.5.12.post1": (True, {"F3", "F4", "F5", "F7", "F8"}, True),
+    "0.5.23": (True, {"F6", "F7", "F8"}, True),
 }
 
 
@@ -37,9 +40,8 @@ def test_doctor_json_matches_release_facts(policy):
     supported, live, discovered = TRUTH[policy.version]
     assert report["supported"] is supported
     assert {f for f, v in report["fixes"].items() if v["live"]} == live
-    # The plugin activates exactly the live fixes on active releases, nothing on pass-through.
-    active = live if policy.version != "0.5.23" else set()
-    assert {f for f, v in report["fixes"].items() if v["active"]} == active
+    # Every release here is active: the plugin installs exactly the live fixes.
+    assert {f for f, v in report["fixes"].items() if v["active"]} == live
     assert report["entry_point"] is discovered
     # The CPU test venvs have Mooncake and NIXL; MoRI is ROCm-only.
     assert report["engines"] == {"mooncake": True, "nixl": True, "mori": False}

@@ -50,7 +50,7 @@ def test_launcher_routes_in_spawned_children_without_editing_sglang(tiny_model_d
     assert report["server_args_backend"] == "mooncake"
     expected = (
         "sglang_disagg_ext.backends.mooncake"
-        if policy.support is releases.Support.ACTIVE
+        if policy.routes("mooncake")
         else "sglang.srt.disaggregation.mooncake.conn"
     )
     for where in ("launcher", "spawned_child"):

@@ -21,12 +21,13 @@ from sglang_disagg_ext.selftest.scenarios.mooncake import scenarios_for
 pytestmark = pytest.mark.engine
 
 POLICY = releases.current_policy()
-ACTIVE = POLICY.support is releases.Support.ACTIVE
-# On a pass-through release the -ext name runs SGLang's own classes, so only
-# the scenarios SGLang itself handles apply (not the plugin-only failure path).
-SCENARIOS = [s for s in scenarios_for(POLICY) if ACTIVE or not s.plugin_only]
+# The plugin's state classes (F1/F2 code) run only where F1 or F2 is live; elsewhere
+# only the scenarios SGLang's own state path handles apply (not the plugin-only
+# failure path of that code).
+STATE_CLASSES = POLICY.is_live("F1") or POLICY.is_live("F2")
+SCENARIOS = [s for s in scenarios_for(POLICY) if STATE_CLASSES or not s.plugin_only]
 STOCK_MODULE = "sglang.srt.disaggregation.mooncake.conn."
-EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if ACTIVE else STOCK_MODULE
+EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if POLICY.routes("mooncake") else STOCK_MODULE
 
 
 def _run(builtin, backend):
@@ -62,7 +63,7 @@ def test_stock_vs_ext(builtin):
 def test_ext_name_on_this_release_transfers_state():
     """On every supported release (pass-through included) the -ext name works end to end.
 
-    Active releases: the plugin's manager. Pass-through releases (0.5.13+): the
+    Where a Mooncake fix is live: the plugin's manager. Elsewhere (pass-through): the
     stock manager, reached through the -ext name, with the same result as stock.
     """
     from sglang_disagg_ext.selftest.harness.scenario import with_state
@@ -75,7 +76,7 @@ def test_ext_name_on_this_release_transfers_state():
     # (SGLang's default level), naming the release, the backend and what is routed.
     for role in ("prefill", "decode"):
         lines = result.plugin_log[role]
-        if ACTIVE:
+        if POLICY.routes("mooncake"):
             announced = [x for x in lines if "active in this process" in x]
             assert len(announced) == 1, lines
             assert f"SGLang {POLICY.version} (active)" in announced[0], announced
@@ -106,7 +107,7 @@ def test_ext_serves_many_requests_with_mixed_lengths():
     )
     result = run_scenario(scenario, "mooncake-ext")
     assert result.ok, result.describe()
-    if ACTIVE:
+    if STATE_CLASSES:
         # Requests 0, 1 and 3 are trimmed; the plugin logs the first at WARNING and
         # holds the rest back for a minute (one line per component and kind).
         trims = [line for r in result.requests for line in r.prefill_log if "side trimmed" in line]

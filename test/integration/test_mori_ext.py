@@ -164,7 +164,7 @@ def test_f3_status_matches_the_release_table():
     elif version in ("0.5.10.post1", "0.5.11"):
         assert F3 is releases.FixStatus.NA  # MoRI has no hybrid-state send before 0.5.12
     else:
-        assert POLICY.support is releases.Support.PASS_THROUGH and F3 is releases.FixStatus.UPSTREAM
+        assert not POLICY.routes("mori") and F3 is releases.FixStatus.UPSTREAM
     assert releases.EXT_BACKENDS["mori-ext"] == "mori"
 
 

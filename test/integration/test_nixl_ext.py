@@ -37,7 +37,7 @@ from sglang_disagg_ext.selftest.scenarios.nixl import TIMEOUTS, by_name, stock_s
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(
-        releases.current_policy().support is not releases.Support.ACTIVE,
+        not releases.current_policy().routes("nixl"),
         reason="nixl-ext routes to the stock classes on this release (pass-through)",
     ),
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),

@@ -34,7 +34,7 @@ RUN_TIMEOUT = 240  # one run: two workers' imports dominate on 2 shared cores
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(
-        POLICY.support is not releases.Support.PASS_THROUGH,
+        POLICY.routes("nixl"),
         reason=f"n/a on SGLang {POLICY.version} ({POLICY.support.value}): nixl-ext is the plugin's own classes "
         "there, not a pass-through name; F4 differential in test_nixl_ext.py",
     ),

@@ -70,7 +70,7 @@ def test_ext_name_parses_to_base_and_routes(loaded, tiny_model_dir, policy, mode
     assert args.disaggregation_transfer_backend == "mooncake"
     assert os.environ[loaded.SELECTED_BACKEND_ENV] == "mooncake-ext"
     manager = get_kv_class(TransferBackend(args.disaggregation_transfer_backend), KVClassType.MANAGER)
-    if policy.support is releases.Support.ACTIVE:
+    if policy.routes("mooncake"):
         assert manager.__module__ == "sglang_disagg_ext.backends.mooncake"
     else:
         assert manager.__module__ == "sglang.srt.disaggregation.mooncake.conn"
@@ -148,7 +148,7 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
     manager = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
     expected = (
         "sglang_disagg_ext.backends.mooncake"
-        if policy.support is releases.Support.ACTIVE
+        if policy.routes("mooncake")
         else "sglang.srt.disaggregation.mooncake.conn"
     )
     assert manager.__module__ == expected
@@ -326,7 +326,7 @@ def test_choice_made_by_an_ancestor_reaches_the_child(clean_activation, policy):
     assert out.returncode == 0, out.stderr[-2000:]
     active, module, env = out.stdout.split()
     assert active == "mooncake-ext" and env == "mooncake-ext"
-    if policy.support is releases.Support.ACTIVE:
+    if policy.routes("mooncake"):
         assert module == "sglang_disagg_ext.backends.mooncake"
 
 
@@ -389,3 +389,18 @@ print(args.disaggregation_transfer_backend, cls.__module__, registration.active_
     warnings = [line for line in out.stderr.splitlines() if "is newer than the newest release" in line]
     assert len(warnings) == 1, out.stderr[-3000:]
     assert "SGLang 0.6.0 is newer than the newest release sglang-disagg-ext knows (0.5.23;" in warnings[0]
+
+
+@pytest.mark.timeout(120)
+def test_resolving_the_same_record_again_keeps_the_choice(loaded, tiny_model_dir, policy):
+    """0.5.23's ``resolve_once()`` runs again on a resolved record (a no-op there): the
+    record now says "mooncake", rewritten by the plugin, which is not a stock choice."""
+    args = _server_args(tiny_model_dir, "mooncake-ext")
+    assert args.disaggregation_transfer_backend == "mooncake"
+    assert loaded.resolve_ext_backend(args) is None
+    assert loaded.active_backend() == "mooncake-ext"
+    assert os.environ[loaded.SELECTED_BACKEND_ENV] == "mooncake-ext"
+    # A record this process did not rewrite, naming the stock backend, still wins.
+    stock = _server_args(tiny_model_dir, "mooncake")
+    assert stock.disaggregation_transfer_backend == "mooncake"
+    assert loaded.active_backend() is None

@@ -28,8 +28,8 @@ from sglang_disagg_ext import releases  # noqa: E402
 # releases where the plugin routes NIXL (0.5.13+ pass through; 0.5.23's NIXL
 # path no longer uses these tags).
 active_only = pytest.mark.skipif(
-    releases.current_policy().support is not releases.Support.ACTIVE,
-    reason=f"n/a on SGLang {releases.current_policy().version}: pass-through release, nixl-ext is the stock "
+    not releases.current_policy().routes("nixl"),
+    reason=f"n/a on SGLang {releases.current_policy().version}: nixl-ext passes through to the stock "
     "classes there, so the plugin's notification parser is not in use (smoke: test_nixl_passthrough.py)",
 )
 

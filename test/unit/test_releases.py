@@ -2,23 +2,30 @@
 
 import pytest
 
-from sglang_disagg_ext.releases import FixStatus, StateLayout, Support, UnsupportedSGLangRelease, policy_for
+from sglang_disagg_ext.releases import FIXES, FixStatus, StateLayout, Support, UnsupportedSGLangRelease, policy_for
 
 L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
-# (release, support, layout, F1..F5) — from shared/notes/sglang-releases.md, except F4/F5 on
+X = FixStatus.UNCOVERED
+
+# (release, support, layout, F1..F8) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
-# mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524).
+# mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
+# wheel 0.5.10.post1-0.5.23: live in all (e.g. the session blacklisted after one failed KV
+# send, 0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.17 :1718-1719, 0.5.23 :2742-2745);
+# 0.5.13-0.5.22 have no adapter proven against their code: uncovered, pass-through; F6 is
+# uncovered before 0.5.23 too (no manager hook to publish decode's pool sizes there).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L)),
-    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
-    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
-    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
-    ("0.5.23", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, X, L, L)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, X, L, L)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L)),
+    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
+    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
+    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
+    ("0.5.22", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L)),
 ]
 
 
@@ -28,7 +35,7 @@ def test_policy_table(version, support, layout, fixes):
     p = policy_for(version)
     assert p.support is support
     assert p.layout is layout
-    assert tuple(p.fixes[f] for f in ("F1", "F2", "F3", "F4", "F5")) == fixes
+    assert tuple(p.fixes[f] for f in FIXES) == fixes
     p.check_supported()
 
 
@@ -66,7 +73,7 @@ def test_newer_release_than_known_is_pass_through_with_a_warning(version):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("version", ["0.5.13", "0.5.23", "0.5.23.post3"])
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.22", "0.5.23.post3"])
 def test_known_pass_through_releases_give_no_warning(version):
     p = policy_for(version)
     assert p.known and p.unknown_release_warning() is None and p.support_text == "pass-through"

@@ -170,22 +170,52 @@ def expected_after_request(scn: Scenario, index: int) -> Dict[int, PoolExpectati
             touched[pid] |= pages
     out = {}
     for pid, (name, n) in pool_names(scn).items():
-        writes = _writes(pairs.get(pid, []))
+        # An out-of-pool decode index (``allow_out_of_pool``) names no page
+        # decode has: nothing to expect there.
+        writes = {d: s for d, s in _writes(pairs.get(pid, [])).items() if 0 <= d < n}
         sentinel = [p for p in range(n) if p not in touched[pid] and p not in writes]
         out[pid] = PoolExpectation(pid, name, n, writes, sentinel)
     return out
 
 
+def source_buffer(scn: Scenario, pool_id: int, decode_buffer: int) -> Tuple[Optional[int], List[int]]:
+    """(prefill buffer that decode buffer ``decode_buffer`` of pool ``pool_id`` receives, or
+    None for a decode-only layer; every prefill buffer of that pool, to name misplaced bytes).
+
+    Only a paged state pool with ``decode_extra_layers`` differs from "the same
+    index": prefill has ``n`` layers (K0..K(n-1), V0..V(n-1)), decode ``m = n +
+    extra`` (K0..K(m-1), V0..V(m-1)); prefill layer L belongs in decode layer L
+    and decode layers n..m-1 receive nothing.
+    """
+    c = pool_id - STATE_POOL_BASE
+    if c < 0 or c >= len(scn.state_pools) or not scn.state_pools[c].decode_extra_layers:
+        return decode_buffer, []
+    n = scn.state_pools[c].num_layers
+    m = n + scn.state_pools[c].decode_extra_layers
+    kv, layer = divmod(decode_buffer, m)
+    src = kv * n + layer if layer < n else None
+    return src, list(range(2 * n))
+
+
+def untouched(expectation: PoolExpectation) -> PoolExpectation:
+    """The same pool with nothing written: every page must hold the sentinel."""
+    return dataclasses.replace(expectation, writes={}, sentinel_pages=list(range(expectation.num_pages)))
+
+
 # -- comparison ----------------------------------------------------------------
 
 
-def _identify(actual_page: np.ndarray, pool_id: int, buffer: int, num_pages: int) -> str:
+def _identify(
+    actual_page: np.ndarray, pool_id: int, buffer: Optional[int], num_pages: int, others: Sequence[int] = ()
+) -> str:
     if np.all(actual_page == SENTINEL):
         return "the sentinel (never written)"
-    candidates = buffer_pattern(pool_id, buffer, num_pages, actual_page.size)
-    hits = np.nonzero(np.all(candidates == actual_page[None, :], axis=1))[0]
-    if hits.size:
-        return f"prefill page {int(hits[0])}'s bytes"
+    for b in ([buffer] if buffer is not None else []) + [o for o in others if o != buffer]:
+        candidates = buffer_pattern(pool_id, b, num_pages, actual_page.size)
+        hits = np.nonzero(np.all(candidates == actual_page[None, :], axis=1))[0]
+        if hits.size:
+            where = "" if b == buffer else f"buffer {b} "
+            return f"prefill {where}page {int(hits[0])}'s bytes"
     n_sent = int(np.count_nonzero(actual_page == SENTINEL))
     return f"unrecognised bytes ({n_sent}/{actual_page.size} bytes still sentinel)"
 
@@ -201,12 +231,18 @@ def dirty_sentinel_pages(actual: np.ndarray, expectation: PoolExpectation) -> Li
 def compare_buffer(
     actual: np.ndarray,
     pool_id: int,
-    buffer: int,
+    buffer: Optional[int],
     expectation: PoolExpectation,
     label: str,
     src_num_pages: Optional[int] = None,
+    identify_buffers: Sequence[int] = (),
 ) -> List[str]:
-    """Check one decode buffer (uint8[num_pages, item_bytes], numpy or a tensor on any device); return mismatch lines."""
+    """Check one decode buffer (uint8[num_pages, item_bytes], numpy or a tensor on any device); return mismatch lines.
+
+    ``buffer`` is the prefill buffer whose pages this one must receive (None:
+    none, ``expectation`` then has no writes); wrong bytes are named after
+    ``buffer`` or, failing that, one of the prefill buffers ``identify_buffers``.
+    """
     actual = host_bytes(actual)
     n_src = src_num_pages if src_num_pages is not None else expectation.num_pages
     item = actual.shape[1]
@@ -227,11 +263,11 @@ def compare_buffer(
             bad = np.nonzero(got != want)[0]
             add(
                 f"{label} page {dst}: expected prefill page {src}'s bytes, found "
-                f"{_identify(got, pool_id, buffer, n_src)} ({bad.size}/{item} bytes differ, "
+                f"{_identify(got, pool_id, buffer, n_src, identify_buffers)} ({bad.size}/{item} bytes differ, "
                 f"first at offset {int(bad[0])})"
             )
     for p in dirty_sentinel_pages(actual, expectation):
-        add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src)}")
+        add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src, identify_buffers)}")
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching pages not listed")
     return problems

@@ -33,6 +33,7 @@ _KEEP_ENV = "SGLANG_HARNESS_KEEP"
 # Env that must not leak from the parent into stock runs (registration.py).
 _STRIP_ENV = (
     "SGLANG_DISAGG_EXT_BACKEND", "SGLANG_DISAGG_EXT_BACKEND_PID", "SGLANG_HARNESS_DECODE_HOOK", "SGLANG_HARNESS_TAMPER",
+    "SGLANG_HARNESS_PREFILL_HOOK",
 )
 
 

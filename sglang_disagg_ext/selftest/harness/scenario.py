@@ -67,10 +67,18 @@ class StatePoolSpec:
     head_dim: int = 16
     dtype: str = "bfloat16"
     mamba_item_bytes: List[int] = dataclasses.field(default_factory=lambda: [192, 64])
+    # Paged kinds: layers decode's pool has after prefill's ``num_layers`` (an
+    # MTP/nextn draft layer at the tail). Its buffers are then K of
+    # ``num_layers + decode_extra_layers`` layers, then V of as many.
+    decode_extra_layers: int = 0
 
     @property
     def paged(self) -> bool:
         return self.kind in PAGED_STATE_KINDS
+
+    def layers_on(self, role: str) -> int:
+        """Layers of this component's pool on ``role`` ("prefill" or "decode")."""
+        return self.num_layers + (self.decode_extra_layers if role == "decode" else 0)
 
 
 @dataclasses.dataclass
@@ -98,6 +106,10 @@ class RequestSpec:
     state: List[StateSpec] = dataclasses.field(default_factory=list)
     send_chunks: int = 1
     room: Optional[int] = None
+    # Opt-in: decode-side indices (dst_kv_pages, dst_aux_index, state
+    # dst_pages) may lie outside decode's pools, for tests of what a backend
+    # does with such a request. Nothing is expected at such an index.
+    allow_out_of_pool: bool = False
 
     @property
     def decode_aux_index(self) -> int:
@@ -179,6 +191,8 @@ class Scenario:
                 )
             if pool.num_pages < 1 or pool.num_layers < 1:
                 raise ScenarioError(f"{self.name}: state pool {i} needs num_pages, num_layers >= 1")
+            if pool.decode_extra_layers < 0 or (pool.decode_extra_layers and not pool.paged):
+                raise ScenarioError(f"{self.name}: state pool {i}: decode_extra_layers needs a paged kind, >= 0")
         _check_ranks(self)
         rooms = set()
         for r, req in enumerate(self.requests):
@@ -187,8 +201,11 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} reuses bootstrap room {room}")
             rooms.add(room)
             _check_pages(self, f"request {r} src_kv_pages", req.src_kv_pages, self.kv.num_pages)
-            _check_pages(self, f"request {r} dst_kv_pages", req.dst_kv_pages, self.kv.num_pages)
+            dst_limit = None if req.allow_out_of_pool else self.kv.num_pages
+            _check_pages(self, f"request {r} dst_kv_pages", req.dst_kv_pages, dst_limit)
             for label, idx in (("aux_index", req.aux_index), ("dst_aux_index", req.decode_aux_index)):
+                if label == "dst_aux_index" and req.allow_out_of_pool and isinstance(idx, int):
+                    continue
                 if not 0 <= idx < self.aux_rows:
                     raise ScenarioError(f"{self.name}: request {r} {label} {idx} not in [0, {self.aux_rows})")
             if req.send_chunks < 1:
@@ -205,7 +222,8 @@ class Scenario:
                     )
                 for side, pages in (("src_pages", st.src_pages), ("dst_pages", st.dst_pages)):
                     if pages is not None:
-                        _check_pages(self, f"request {r} state {c} {side}", pages, pool.num_pages)
+                        limit = None if side == "dst_pages" and req.allow_out_of_pool else pool.num_pages
+                        _check_pages(self, f"request {r} state {c} {side}", pages, limit)
 
     # -- JSON ----------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -242,11 +260,12 @@ def _check_ranks(scn: Scenario) -> None:
         raise ScenarioError(f"{scn.name}: multi-rank scenarios carry KV and aux only (no state pools)")
 
 
-def _check_pages(scn: Scenario, label: str, pages, num_pages: int) -> None:
+def _check_pages(scn: Scenario, label: str, pages, num_pages: Optional[int]) -> None:
+    """Every page an int in [0, num_pages); ``num_pages`` None: any int (``allow_out_of_pool``)."""
     for p in pages:
         if not isinstance(p, int) or isinstance(p, bool):
             raise ScenarioError(f"{scn.name}: {label}: page {p!r} is not an int")
-        if not 0 <= p < num_pages:
+        if num_pages is not None and not 0 <= p < num_pages:
             raise ScenarioError(f"{scn.name}: {label}: page {p} not in [0, {num_pages})")
 
 

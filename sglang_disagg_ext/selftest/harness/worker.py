@@ -34,6 +34,7 @@ POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
 PEER_GRACE_S = 5.0
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
+PREFILL_HOOK_ENV = "SGLANG_HARNESS_PREFILL_HOOK"
 # Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to
 # log at DEBUG in the children, for chasing a stuck bootstrap.
 DEBUG_LOGGERS_ENV = "SGLANG_HARNESS_DEBUG_LOGGERS"
@@ -224,6 +225,8 @@ class Worker:
             why = f"UCX_TLS={os.environ.get('UCX_TLS')}: {type(exc).__name__}: {exc}"
             raise RuntimeError(rdma_init_failure("NIXL UCX backend", self.opts.ib_device, why)) from exc
         self.result["manager_class"] = ss.class_name(self.mgr)
+        if self.role == "prefill":
+            self._run_prefill_hook()
         self.KVPoll = ss.kvpoll()
         self.mark("manager")
 
@@ -277,7 +280,7 @@ class Worker:
             if spec.paged:
                 pool = ss.make_mha_pool(
                     spec.num_pages, scn.page_size, ss.torch_dtype(spec.dtype), spec.head_num, spec.head_dim,
-                    spec.num_layers, device=device,
+                    spec.layers_on(self.role), device=device,
                 )
                 self._state_keepalive.append(pool)
                 tensors = ss.mha_pool_tensors(pool)
@@ -478,9 +481,19 @@ class Worker:
         rec)`` after the transfer and before verification. The harness's own tests
         use it (``test/support/tamper.py``) to show the verification sees a single
         wrong byte; nothing in the package sets it."""
-        hook = _decode_hook()
+        hook = _load_hook(DECODE_HOOK_ENV)
         if hook is not None:
             hook(self.pools, rec)
+
+    def _run_prefill_hook(self) -> None:
+        """``SGLANG_HARNESS_PREFILL_HOOK=<file.py>:<function>``: call ``function(manager)``
+        once, right after the prefill manager exists and before any request. Tests
+        use it to inject a fault into one manager method (``test/support/``);
+        nothing in the package sets it."""
+        hook = _load_hook(PREFILL_HOOK_ENV)
+        if hook is not None:
+            self.result["prefill_hook"] = os.environ[PREFILL_HOOK_ENV]
+            hook(self.mgr)
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:
         from sglang_disagg_ext.selftest.harness import patterns
@@ -498,7 +511,11 @@ class Worker:
                         dtype_size=self._dtype_size(), label=f"decode rank {self.tp_rank} {pool.name} buffer {b}",
                     )
                     continue
-                mismatches += patterns.compare_buffer(actual, pool.pool_id, b, exp, f"{pool.name} buffer {b}")
+                src_b, others = patterns.source_buffer(self.scn, pool.pool_id, b)
+                mismatches += patterns.compare_buffer(
+                    actual, pool.pool_id, src_b, exp if src_b is not None else patterns.untouched(exp),
+                    f"{pool.name} buffer {b}", identify_buffers=others,
+                )
         rec["mismatches"] = mismatches
         rec["bytes_verified"] = not mismatches
         rec["expected_writes"] = {
@@ -597,18 +614,18 @@ class _Pool:
         self.device = devices[0] if devices else None
 
 
-@functools.lru_cache(maxsize=1)
-def _decode_hook():
-    """The ``SGLANG_HARNESS_DECODE_HOOK`` function, loaded once per process (None when unset)."""
-    spec = os.environ.get(DECODE_HOOK_ENV)
+@functools.lru_cache(maxsize=None)
+def _load_hook(env: str):
+    """The ``<file.py>:<function>`` hook named by ``$env``, loaded once per process (None when unset)."""
+    spec = os.environ.get(env)
     if not spec:
         return None
     import importlib.util
 
     path, _, func = spec.rpartition(":")
-    module_spec = importlib.util.spec_from_file_location("harness_decode_hook", path)
+    module_spec = importlib.util.spec_from_file_location(f"harness_hook_{env.lower()}", path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"{DECODE_HOOK_ENV}={spec!r}: cannot load {path!r}")
+        raise ValueError(f"{env}={spec!r}: cannot load {path!r}")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return getattr(module, func)

@@ -40,7 +40,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
 
     transfer = dataclasses.asdict((options or TransferOptions()).validated())
     policy = releases.current_policy()
-    if policy.support is not releases.Support.ACTIVE:
+    if not policy.routes("nixl"):
         return [
             _row(
                 "nixl-ext routes to stock classes on this release",

@@ -1,0 +1,155 @@
+"""F6 scenarios: a request with an out-of-pool decode index, then three valid requests to the same decode.
+
+Stock (every release where F6 is live): the engine fails the bad request's
+transfer and prefill marks decode's whole Mooncake session failed after that
+single failure, so each valid request after it fails on both sides (prefill's reason:
+"Decode instance could be dead, remote mooncake session <id> is not alive").
+``-ext``: the bad request is refused before the engine, Failed on both sides
+within a bound, with a reason naming the component, the index and the pool
+size; decode holds nothing it wrote; the three valid requests pass,
+verified byte for byte.
+
+Expected reasons are written out by hand from each scenario's numbers.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+)
+from sglang_disagg_ext.selftest.scenarios.mooncake import FAILED_WITHIN_S, BuiltinScenario
+
+KV_PAGES = 12
+SWA_PAGES = 8
+STOCK_NOT_ALIVE = "is not alive"
+
+
+def _valid(state: bool) -> List[RequestSpec]:
+    """Three good requests on pages no other request of the scenario targets."""
+    def st(src, dst):
+        return [StateSpec("swa", src, dst)] if state else []
+
+    return [
+        RequestSpec([3, 4], [5, 6], aux_index=1, dst_aux_index=1, state=st([1, 2], [3, 4])),
+        RequestSpec([5], [7], aux_index=2, dst_aux_index=2, state=st([3], [5])),
+        RequestSpec([6, 7], [8, 9], aux_index=3, dst_aux_index=3, state=st([4, 5], [6, 7])),
+    ]
+
+
+def _scenario(name: str, bad: RequestSpec, state: bool) -> Scenario:
+    return Scenario(
+        name=name,
+        requests=[bad] + _valid(state),
+        kv=KVPoolSpec(num_pages=KV_PAGES),
+        state_pools=[StatePoolSpec(kind="swa", num_pages=SWA_PAGES)] if state else [],
+    )
+
+
+def _bad_kv(policy: releases.ReleasePolicy) -> Scenario:
+    # Decode page 40 of a 12-page pool, second of two.
+    bad = RequestSpec([1, 2], [2, 40], aux_index=0, dst_aux_index=0, allow_out_of_pool=True)
+    return _scenario("bad kv page, then 3 good", bad, state=False)
+
+
+def _bad_state(policy: releases.ReleasePolicy) -> Scenario:
+    # KV pages fine; SWA decode page 8 of an 8-page pool (one past the end), third of three.
+    bad = RequestSpec(
+        [1, 2], [2, 10], aux_index=0, dst_aux_index=0,
+        state=[StateSpec("swa", [0, 1, 2], [0, 1, 8])], allow_out_of_pool=True,
+    )
+    return _scenario("bad swa state page, then 3 good", bad, state=True)
+
+
+# Exactly what -ext reports for each bad request (core.index_bounds wording).
+REFUSALS = {
+    "bad kv page, then 3 good":
+        "kv: destination index 40 (position 1 of 2) outside decode's pool of 12 pages (valid 0..11)",
+    "bad swa state page, then 3 good":
+        "state component 0 (swa): destination index 8 (position 2 of 3) outside decode's pool of 8 entries "
+        "(valid 0..7)",
+}
+
+
+def _refused_then_served(name: str):
+    want = REFUSALS[name]
+
+    def passed(result) -> bool:
+        return refusal_problem(result, want) is None
+
+    return passed
+
+
+def refusal_problem(result, want: str) -> Optional[str]:
+    """None when request 0 was refused the -ext way and requests 1.. all passed; else why not."""
+    if result.error or len(result.requests) < 2:
+        return f"run error or too few requests: {result.error}"
+    bad, good = result.requests[0], result.requests[1:]
+    if not bad.failed_within(FAILED_WITHIN_S):
+        return (f"request 0: not Failed on both sides within {FAILED_WITHIN_S}s "
+                f"(prefill={bad.prefill_status} {bad.prefill_seconds}, decode={bad.decode_status} {bad.decode_seconds})")
+    for side, reason in (("prefill", bad.prefill_failure_reason), ("decode", bad.decode_failure_reason)):
+        if want not in (reason or ""):
+            return f"request 0: {side} reason {reason!r} does not say {want!r}"
+    # Refused before the engine: every page it targets inside decode's pools
+    # still holds the sentinel, and nothing else was written.
+    stray = [m for m in bad.mismatches if "found the sentinel" not in m]
+    if stray or not bad.mismatches:
+        return f"request 0: decode pages written by a refused request: {stray or 'none expected-but-sentinel'}"
+    if bad.thread_errors:
+        return f"request 0: thread errors {bad.thread_errors}"
+    for r in good:
+        if not r.ok:
+            return f"request {r.index}: not ok (prefill={r.prefill_status} decode={r.decode_status} bytes={r.bytes_verified})"
+    return None
+
+
+def _stock_signature(result, policy) -> Optional[str]:
+    """Stock: request 0 fails in the engine (prefill: "Failed to send kv chunk" or "Failed to send
+    state components"), and every valid request after it fails on both sides with the
+    blacklisted-session reason. Byte mismatches are not part of the shape: besides
+    the missing pages of the failed requests, stock's out-of-pool KV page can land
+    in another registered buffer (seen on 0.5.23: KV buffer 3 page 3 overwritten by
+    the write meant for buffer 2 page 40), depending on where the pools lie."""
+    bad, good = result.requests[0], result.requests[1:]
+    if bad.prefill_status != "Failed" or bad.decode_status != "Failed":
+        return f"request 0: prefill={bad.prefill_status} decode={bad.decode_status}, the live bug fails it in the engine"
+    if "Failed to send" not in (bad.prefill_failure_reason or ""):
+        return f"request 0: prefill reason {bad.prefill_failure_reason!r} is not the engine failure"
+    for r in good:
+        if r.prefill_status != "Failed" or r.decode_status != "Failed":
+            return f"request {r.index}: prefill={r.prefill_status} decode={r.decode_status}; the live bug fails it"
+        # Stock Mooncake's status message carries no reason: decode only
+        # learns Failed (promptly, not through its waiting timeout).
+        if STOCK_NOT_ALIVE not in (r.prefill_failure_reason or ""):
+            return f"request {r.index}: prefill reason {r.prefill_failure_reason!r} is not the failed-session one"
+        if r.decode_seconds is None or r.decode_seconds > FAILED_WITHIN_S:
+            return f"request {r.index}: decode failed after {r.decode_seconds}s, not on prefill's status"
+    return None
+
+
+SCENARIOS = [
+    BuiltinScenario(
+        "bad kv page, then 3 good",
+        "F6",
+        "a decode KV page outside decode's pool, then 3 valid requests (stock: the session is blacklisted, "
+        "the valid ones fail 'not alive')",
+        _bad_kv,
+        passed=_refused_then_served("bad kv page, then 3 good"),
+        signature=_stock_signature,
+    ),
+    BuiltinScenario(
+        "bad swa state page, then 3 good",
+        "F6",
+        "a decode SWA state page outside its pool, then 3 valid requests (stock: the session is blacklisted)",
+        _bad_state,
+        passed=_refused_then_served("bad swa state page, then 3 good"),
+        signature=_stock_signature,
+    ),
+]

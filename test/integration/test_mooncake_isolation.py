@@ -1,0 +1,81 @@
+"""F6 on the real Mooncake engine (TCP, 127.0.0.1): one bad request never poisons the decode session.
+
+Each scenario (``selftest.scenarios.isolation``) is a request with one decode
+index outside decode's pool, then three valid requests to the same decode,
+through the transfer harness: two processes, SGLang's real bootstrap server,
+managers, senders and receivers, CPU tensors as pools, a real Mooncake
+TransferEngine; decode checks every destination page byte for byte and that
+every other page still holds its sentinel.
+
+Injection: the out-of-pool index is the request's own decode page list
+(``RequestSpec(allow_out_of_pool=True)``), handed by the harness's decode to
+SGLang's real ``send_metadata``: the narrowest boundary, nothing replaced.
+"""
+
+import pytest
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
+from sglang_disagg_ext.selftest.scenarios.isolation import REFUSALS, SCENARIOS, STOCK_NOT_ALIVE, refusal_problem
+
+pytestmark = pytest.mark.engine
+
+POLICY = releases.current_policy()
+LIVE = POLICY.is_live("F6")
+live_only = pytest.mark.skipif(not LIVE, reason=f"F6 is not live on SGLang {POLICY.version}")
+NO_SIZES_LINE = "published no pool sizes (a stock decode): destination index checks are off"
+
+
+@live_only
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_bad_request_then_three_good(builtin):
+    """Stock: the bad request fails in the engine and the three valid ones after it fail
+    with the blacklisted-session reason ("... is not alive"). Ext: the bad one is Failed on
+    both sides within the bound with the reason (component, index, pool size), nothing of
+    it written, and the three valid ones pass byte for byte."""
+    stock = run_scenario(builtin.build(POLICY), "mooncake")
+    why = builtin.stock_signature(stock, POLICY)
+    assert why is None, f"stock did not fail the live bug's way: {why}\n{stock.describe()}"
+
+    ext = run_scenario(builtin.build(POLICY), "mooncake-ext")
+    problem = refusal_problem(ext, REFUSALS[builtin.name])
+    assert problem is None, f"{problem}\n{ext.describe()}"
+    assert builtin.evaluate(ext)
+    # The refusal is prefill's, before the engine: its log names it, and no
+    # session was marked failed.
+    bad_log = ext.requests[0].prefill_log
+    assert any("refused before transfer" in x and REFUSALS[builtin.name] in x for x in bad_log), bad_log
+    assert not any("failed." in x and "Session" in x for r in ext.requests for x in r.prefill_log)
+
+
+@live_only
+@pytest.mark.timeout(400)
+def test_stock_decode_peer_keeps_stock_behaviour_and_says_so_once():
+    """Ext prefill, stock decode (no pool sizes published): one INFO line at registration,
+    and the bad request reaches the engine as in stock, blacklisting the session."""
+    builtin = SCENARIOS[0]
+    result = run_scenario(builtin.build(POLICY), "mooncake-ext", decode_backend="mooncake")
+    lines = [x for x in result.plugin_log["prefill"] if NO_SIZES_LINE in x]
+    assert len(lines) == 1, result.plugin_log["prefill"]
+    assert result.requests[0].prefill_status == "Failed", result.describe()
+    assert "Failed to send kv chunk" in (result.requests[0].prefill_failure_reason or ""), result.describe()
+    for r in result.requests[1:]:
+        assert r.prefill_status == "Failed" and STOCK_NOT_ALIVE in (r.prefill_failure_reason or ""), result.describe()
+
+
+@live_only
+@pytest.mark.timeout(400)
+def test_stock_prefill_ignores_the_extra_registration_frame():
+    """Stock prefill, ext decode: the trailing pool-sizes frame is ignored by stock's parser;
+    valid requests transfer byte for byte."""
+    scn = Scenario(
+        name="ext decode, stock prefill",
+        requests=[RequestSpec([1, 2], [3, 4], aux_index=1, dst_aux_index=2), RequestSpec([5], [6], aux_index=3)],
+        kv=KVPoolSpec(num_pages=8),
+    )
+    result = run_scenario(scn, "mooncake", decode_backend="mooncake-ext")
+    assert result.decode_manager.startswith("sglang_disagg_ext."), result.describe()
+    assert result.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), result.describe()
+    assert result.ok, result.describe()

@@ -1,0 +1,60 @@
+"""Test-only prefill hooks (``SGLANG_HARNESS_PREFILL_HOOK``): one manager method raises once, for one room.
+
+Loaded by the harness worker in the prefill process right after the manager
+exists (``worker._run_prefill_hook``); each hook shadows one method on that
+manager instance, so stock and ext managers get the same fault at the same
+call. ``SGLANG_HARNESS_FAULT_ROOM`` names the room (default 1000, the first
+request's). It lives here, outside the wheel.
+"""
+
+import os
+import threading
+
+FAULT_ROOM_ENV = "SGLANG_HARNESS_FAULT_ROOM"
+
+
+class InjectedFault(Exception):
+    """The exception the hooks raise (its name and text are what the tests look for)."""
+
+
+def _room() -> int:
+    return int(os.environ.get(FAULT_ROOM_ENV, "1000"))
+
+
+def _once():
+    fired = threading.Event()
+
+    def take() -> bool:
+        if fired.is_set():
+            return False
+        fired.set()
+        return True
+
+    return take
+
+
+def raise_in_send_aux(mgr) -> None:
+    """The transfer worker's ``send_aux`` call for the room raises (after its KV pages went out)."""
+    room, take, stock = _room(), _once(), mgr.send_aux
+
+    def send_aux(req, *args, **kwargs):
+        if req.room == room and take():
+            raise InjectedFault(f"injected fault: send_aux for room {room}")
+        return stock(req, *args, **kwargs)
+
+    mgr.send_aux = send_aux
+
+
+def raise_on_waiting_for_input(mgr) -> None:
+    """The bootstrap thread's ``update_status(room, WaitingForInput)`` raises: decode's
+    pre-alloc message for the room is registered, the handler fails before the room is ready."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    room, take, stock = _room(), _once(), mgr.update_status
+
+    def update_status(bootstrap_room, status, *args, **kwargs):
+        if bootstrap_room == room and status == KVPoll.WaitingForInput and take():
+            raise InjectedFault(f"injected fault: bootstrap message handler for room {room}")
+        return stock(bootstrap_room, status, *args, **kwargs)
+
+    mgr.update_status = update_status
