@@ -18,14 +18,15 @@ logger = logging.getLogger("sglang_disagg_ext")
 
 _mu = threading.Lock()
 _line: Optional[str] = None
+_backend: Optional[str] = None
 _announced = False
 
 
-def record(line: Optional[str]) -> None:
-    """What ``activate()`` installed in this process (None: nothing)."""
-    global _line, _announced
+def record(line: Optional[str], backend: Optional[str] = None) -> None:
+    """What ``activate()`` installed in this process (None: nothing), for ``backend`` (the -ext name)."""
+    global _line, _backend, _announced
     with _mu:
-        _line, _announced = line, False
+        _line, _backend, _announced = line, backend, False
 
 
 def announce(manager_class: str) -> bool:
@@ -40,4 +41,8 @@ def announce(manager_class: str) -> bool:
         line = _line
     logger.info("sglang-disagg-ext %s active in this process (pid %d, %s): %s", __version__, os.getpid(),
                 manager_class, line)
+    from sglang_disagg_ext import metrics, releases
+
+    policy = releases.current_policy()
+    metrics.set_info(__version__, _backend, policy.version, policy.active_fixes())
     return True

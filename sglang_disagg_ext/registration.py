@@ -209,12 +209,17 @@ def activate(ext_name: str) -> None:
 
             install_retract_fixes()
             routed.append("retract/resume (F5)")
+        if policy.is_live("F10"):
+            from sglang_disagg_ext.backends.metadata_gate import install_metadata_gate_deadline
+
+            install_metadata_gate_deadline()
+            routed.append("metadata gate deadline (F10)")
     _active_backend = ext_name
     line = f"{policy.summary_line()}; {ext_name} -> " + (
         ", ".join(routed) if routed else f"stock {base} classes (pass-through)")
     # Lost in a scheduler process (logging is not configured yet); the -ext
     # manager logs it again once it exists (activation_log).
-    activation_log.record(line)
+    activation_log.record(line, ext_name)
     logger.info(line)
 
 
@@ -246,9 +251,11 @@ def deactivate() -> None:
     for (package_name, attr), original in list(_replaced.items()):
         setattr(importlib.import_module(package_name), attr, original)
     _replaced.clear()
+    from sglang_disagg_ext.backends.metadata_gate import uninstall_metadata_gate_deadline
     from sglang_disagg_ext.backends.retract import uninstall_retract_fixes
 
     uninstall_retract_fixes()
+    uninstall_metadata_gate_deadline()
     activation_log.record(None)
     _active_backend = None
 

@@ -8,15 +8,15 @@ comparing version strings itself.
 
 Facts come from reading each release's wheel (``shared/notes/sglang-releases.md``):
 
-=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
-release         F1    F2    F3    F4    F5    F6      F7      F8     state layout
-=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
-0.5.10.post1    live  live  n/a   live  live  uncov.  live    live    flat
-0.5.11          up    live  n/a   live  live  uncov.  live    live    flat
-0.5.12(.post1)  up    up    live  live  live  uncov.  live    live    per-component
-0.5.13 … 0.5.22 up    up    up    up    up    uncov.  uncov.  uncov.  per-component
-0.5.23          up    up    up    up    up    live    live    live    per-component
-=============  ====  ====  ====  ====  ====  ======  ======  ======  ==============
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
+release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     state layout
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
+0.5.10.post1     live  live  n/a   live  live  uncov.  live  live  uncov.  uncov.  flat
+0.5.11           up    live  n/a   live  live  uncov.  live  live  uncov.  uncov.  flat
+0.5.12(.post1)   up    up    live  live  live  uncov.  live  live  uncov.  uncov.  per-component
+0.5.13 … 0.5.22  up    up    up    up    up    uncov.  uncov uncov uncov.  uncov.  per-component
+0.5.23           up    up    up    up    up    live    live  live  live    live    per-component
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
 
 "uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
 this plugin version has no adapter proven against its code, so ``-ext`` passes
@@ -29,7 +29,12 @@ indices against decode's pools, and no registration message carries them; F7
 ``CommonKVManager.get_mha_kv_ptrs_with_pp`` is the same code in every release
 (0.5.23 common/conn.py:1718-1749) and guesses a draft model from the layer counts;
 F8 ``transfer_worker`` re-raises (0.5.10.post1 :1339-1343 ... 0.5.23 :2878) and
-the bootstrap/decode loops have no handler.
+the bootstrap/decode loops have no handler; F9 metadata buffers are paired by
+position whatever their counts (0.5.22 mooncake/conn.py:1755; 0.5.23 only logs
+the mismatch, common/conn.py:617-634); F10 decode holds a request whose metadata
+row never shows its room forever (0.5.12 decode.py:1412-1415, 0.5.23
+utils.py:245-260). F9 needs 0.5.23's registration hooks; F10 before 0.5.13 runs
+after the TP all-reduce (a per-rank deadline would desynchronise the ranks).
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
 head replicas by modulo (nixl/conn.py:1002-1004), keys KV tags on the TP rank only
@@ -72,7 +77,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -83,6 +88,8 @@ FIX_TITLES = {
     "F6": "Mooncake: a request with out-of-pool destination indices is refused before the engine; the peer session stays usable",
     "F7": "Mooncake: hybrid state buffers paired by layer (MTP/draft tail layers), refused where they cannot be paired",
     "F8": "Mooncake: transfer, bootstrap and decode threads survive an unexpected exception; the affected room ends Failed",
+    "F9": "Mooncake: registration refuses a pair it cannot serve (metadata buffer counts or sizes differ), on both sides",
+    "F10": "Decode's metadata gate has a deadline: a request whose metadata never lands ends Failed, with a reason",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -95,6 +102,8 @@ FIX_BACKEND = {
     "F6": "mooncake",
     "F7": "mooncake",
     "F8": "mooncake",
+    "F9": "mooncake",
+    "F10": "all",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -210,11 +219,11 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L}, True),
 }
 
 # 0.5.13 ... 0.5.22 (and their .postN): F1-F5 upstream; the Mooncake bugs F6-F8
@@ -224,7 +233,9 @@ _ACTIVE_RELEASES = {
 # re-raises, 0.5.13 :1366, 0.5.22 :2806), but the adapters are written and
 # tested against 0.5.23's manager (whose hooks, e.g. conclude_failure and
 # _make_worker_recv, those releases lack or shape differently): uncovered.
-_PASS_THROUGH_FIXES = {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X}
+_PASS_THROUGH_FIXES = {
+    "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
+}
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
@@ -471,6 +482,31 @@ class SGLangFeatures:
             if field:
                 return field.group(1)
         return None
+
+    @functools.cached_property
+    def stock_swa_head_slice_backends(self) -> frozenset:
+        """Stock backends (of "mooncake", "nixl") that send SWA state across different attention TP sizes.
+
+        Read from each installed ``disaggregation/<backend>/conn.py`` (imports
+        nothing): a backend is in the set when its manager defines
+        ``_send_swa_state_slice`` (0.5.23 mooncake/conn.py:2435, nixl/conn.py:2969,
+        head slices of the window cache, as for KV). Up to 0.5.12.x neither
+        does: each raises "PD Disaggregation does NOT support PD different TP
+        sizes for non-MLA SWA hybrid models yet." per request at transfer time
+        (0.5.12.post1 mooncake/conn.py:1051, nixl/conn.py:1546).
+        """
+        spec = importlib.util.find_spec("sglang.srt.disaggregation")
+        if spec is None or not spec.submodule_search_locations:
+            return frozenset()
+        root = list(spec.submodule_search_locations)[0]
+        found = set()
+        for backend in ("mooncake", "nixl"):
+            path = os.path.join(root, backend, "conn.py")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    if "def _send_swa_state_slice(" in f.read():
+                        found.add(backend)
+        return frozenset(found)
 
     # -- F5: the shape of the stock retract/resume code ------------------------------
 

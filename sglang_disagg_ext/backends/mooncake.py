@@ -1,6 +1,13 @@
-"""``mooncake-ext``: SGLang's Mooncake manager with component-aware state sends (F1, F2).
+"""``mooncake-ext``: SGLang's Mooncake manager with the plugin's fixes, composed per release.
 
-What changes against stock ``MooncakeKVManager``:
+:func:`manager_class` builds the class from the release's live fixes: one mixin
+per fix (F6 ``mooncake_isolation``, F7 ``mooncake_state_pairing``, F8
+``mooncake_threads``, F9 ``mooncake_registration``), each cooperative, in front
+of the state class below where F1 or F2 is live, else in front of
+:class:`MooncakeExtKVManager` (stock's state path, the activation line and the
+failure plumbing the mixins share).
+
+What the state classes change against stock ``MooncakeKVManager``:
 
 * Each state component's prefill and decode page lists are aligned by trimming
   the longer one on local copies (F1); the request's own lists are never
@@ -24,8 +31,9 @@ from typing import Dict, List, Optional, Sequence
 
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-from sglang_disagg_ext import activation_log
+from sglang_disagg_ext import activation_log, metrics
 from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
+from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
 from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
 from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
 from sglang_disagg_ext.core.rate_limit import EveryInterval
@@ -45,6 +53,7 @@ _TRIMS_LOGGED = EveryInterval(60.0)
 
 
 def _log_trim(plan) -> None:
+    metrics.count("state_trims_total", component=plan.component, kind=plan.kind)
     held = _TRIMS_LOGGED.admit((plan.component, plan.kind))
     if held is None:
         logger.debug(plan.describe_trim())
@@ -266,6 +275,7 @@ _FIX_MIXINS = (
     ("F6", RequestIsolationMixin),
     ("F7", StatePairingMixin),
     ("F8", ThreadSurvivalMixin),
+    ("F9", RegistrationCheckMixin),
 )
 
 

@@ -31,116 +31,28 @@ published, so every peer is "unchecked" and this mixin changes nothing.
 
 from __future__ import annotations
 
+import collections
 import logging
 
-from sglang_disagg_ext.core.index_bounds import (
-    IndexBoundsError,
-    bounds_in_message,
-    bounds_of,
-    check_destination,
-    encode_frame,
-)
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin
+from sglang_disagg_ext.core.index_bounds import check_destination
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.isolation")
 
-# First frame of a decode registration message (stock: the room field reads "None").
-_REGISTRATION = b"None"
+# Far more than the rooms one prefill has in flight at once.
+_ROOMS_REMEMBERED = 4096
 
 
-class RequestIsolationMixin:
+class RequestIsolationMixin(PeerPoolsMixin):
     """Refuses a request whose decode indices fall outside decode's pools; see the module docstring."""
 
-    # Stock Mooncake's status message is (room, status, rank): decode learns
-    # only "Failed" and reports SGLang's generic "prefill might be dead". With
-    # this, prefill appends the reason frame that SGLang's common
-    # ``parse_kv_status_message`` already reads on any decode (stock included),
-    # so decode can say which index of which component was refused.
-    kv_status_msg_carries_reason = True
-
     def __init__(self, *args, **kwargs):
-        """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
-        process). The stock constructor starts prefill's bootstrap thread, which
-        may read a registration at once, so the table exists before ``super()``.
-        """
-        # session id -> PoolBounds; written by the bootstrap thread, read by
-        # the scheduler thread (single dict operations, no lock needed).
-        self._peer_bounds = {}
-        self._unchecked_peers = set()
+        """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per process)."""
+        # Rooms whose indices passed (scheduler thread only); the oldest are
+        # forgotten, so a room that never reaches its last chunk cannot leak.
+        self._rooms_checked = collections.OrderedDict()
         super().__init__(*args, **kwargs)
-
-    # -- decode: publish the pool sizes --------------------------------------
-    def build_receiver_registration_message(self):
-        """Stock's registration frames plus one trailing pool-bounds frame.
-
-        Contract: decode only. ``CommonKVReceiver._register_kv_args`` calls it on
-        the scheduler thread when a receiver first reaches a prefill, and sends
-        the frames to every prefill rank of that bootstrap address. It may
-        assume ``kv_args`` is filled; it must not reorder or drop stock's frames
-        (a stock prefill parses them by position and ignores what follows).
-        """
-        frames = list(super().build_receiver_registration_message())
-        args = self.kv_args
-        try:
-            bounds = bounds_of(
-                args.kv_data_lens,
-                args.kv_item_lens,
-                args.aux_data_lens,
-                args.aux_item_lens,
-                getattr(args, "state_data_lens", None) or [],
-                getattr(args, "state_item_lens", None) or [],
-            )
-        except IndexBoundsError as exc:
-            # Registration must still go out: the peer then runs unchecked.
-            logger.error("not publishing pool sizes to prefill: %s", exc)
-            return frames
-        return frames + [encode_frame(bounds)]
-
-    # -- prefill: read them -----------------------------------------------------
-    def _make_worker_recv(self, *args, **kwargs):
-        """Stock's receive function, noting each decode registration's pool sizes.
-
-        Contract: both sides call it once per worker thread at startup
-        (``start_prefill_thread`` / ``start_decode_thread``); the function it
-        returns runs on that thread for every message, and its result goes
-        unchanged to stock's handling (``None`` = nothing received). The wrapper
-        only reads prefill's registration messages; it must never raise into
-        the bootstrap thread, which would end it.
-        """
-        recv = super()._make_worker_recv(*args, **kwargs)
-        if self.disaggregation_mode.name != "PREFILL":
-            return recv
-
-        def recv_noting_bounds():
-            msg = recv()
-            if msg and len(msg) > 3 and msg[0] == _REGISTRATION:
-                self._note_registration(msg)
-            return msg
-
-        return recv_noting_bounds
-
-    def _note_registration(self, msg) -> None:
-        try:
-            session = bytes(msg[3]).decode("ascii")
-        except UnicodeDecodeError:
-            return  # stock's own parse of this message reports it
-        try:
-            bounds = bounds_in_message(msg)
-        except IndexBoundsError as exc:
-            logger.error("decode session %s sent a malformed pool-sizes frame (%s); its requests are not checked",
-                         session, exc)
-            bounds = None
-        if bounds is not None:
-            self._peer_bounds[session] = bounds
-            self._unchecked_peers.discard(session)
-            return
-        self._peer_bounds.pop(session, None)
-        if session not in self._unchecked_peers:
-            self._unchecked_peers.add(session)
-            logger.info(
-                "decode session %s published no pool sizes (a stock decode): destination index checks are off "
-                "for it, and a request with an out-of-pool index fails its whole session as in stock SGLang",
-                session,
-            )
 
     def add_transfer_request(self, bootstrap_room, *args, **kwargs):
         """Stock ``add_transfer_request``, after checking decode's indices for the room.
@@ -154,10 +66,20 @@ class RequestIsolationMixin:
         rank told) and nothing is queued; the session is never marked. Must not
         raise for a bad index: the scheduler thread would die.
         """
+        # A room's decode indices are all known once it is WaitingForInput and do
+        # not change: check them on its first chunk only, not again per chunk.
+        if bootstrap_room in self._rooms_checked:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
         reason = self._destination_problem(bootstrap_room)
         if reason is None:
+            if bootstrap_room in self.request_status and self.transfer_infos.get(bootstrap_room):
+                self._rooms_checked[bootstrap_room] = None
+                while len(self._rooms_checked) > _ROOMS_REMEMBERED:
+                    self._rooms_checked.popitem(last=False)
             return super().add_transfer_request(bootstrap_room, *args, **kwargs)
         logger.error("room %s refused before transfer: %s", bootstrap_room, reason)
+        # "kv", "aux" or "state": the component class, never request data.
+        metrics.count("requests_refused_total", fix="F6", reason=f"{_component_class(reason)} index out of pool")
         self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=reason)
         return None
 
@@ -181,3 +103,11 @@ class RequestIsolationMixin:
             if reason is not None:
                 return f"decode session {session}: {reason}"
         return None
+
+
+def _component_class(reason: str) -> str:
+    """"kv", "aux" or "state" for a refusal reason (a metric label: never request data)."""
+    for name, marker in (("kv", " kv: "), ("aux", " aux: "), ("state", " state component ")):
+        if marker in f" {reason}":
+            return name
+    return "other"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional, Sequence, Tuple
 
+from sglang_disagg_ext import metrics
 from sglang_disagg_ext.core.layer_pairing import LayerPairingError, pair_state_layers
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake")
@@ -66,6 +67,7 @@ class StatePairingMixin:
         try:
             return super().maybe_send_extra(req, *args, **kwargs)
         except LayerPairingError as exc:
+            metrics.count("requests_refused_total", fix="F7", reason="state layers cannot be paired")
             self._fail_state_send(req, f"state transfer refused: {exc}")
             return 0
 

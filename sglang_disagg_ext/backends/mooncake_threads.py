@@ -38,7 +38,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_disagg_ext import releases
+from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.core.thread_survival import failure_reason, prefill_unique_rank, room_of_message
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.threads")
@@ -122,6 +122,7 @@ class ThreadSurvivalMixin:
                 chunk, tracked.current = tracked.current, None
                 if chunk is None:
                     raise
+                metrics.count("thread_recoveries_total", role="prefill", thread="transfer_worker")
                 self._f8_fail_room(getattr(chunk, "room", None), failure_reason("Mooncake transfer worker", exc))
 
     # -- bootstrap / decode message threads -----------------------------------
@@ -198,6 +199,8 @@ class ThreadSurvivalMixin:
                         raise
                     room = room_of_message(msg, self._ROOM_TAGS)
                     reason = failure_reason(where, exc)
+                    metrics.count("thread_recoveries_total", role=self._f8_role(),
+                                  thread=getattr(target, "__name__", "message"))
                     if room is None:
                         logger.error("%s: a message naming no room (%d frames) was dropped", reason, len(msg))
                     else:

@@ -10,7 +10,9 @@ that stock prefill never reads, and the ``-ext`` prefill checks each request
 against it before anything reaches the engine.
 
 Entries of a pool = ``min(data_len // item_len)`` over its buffers: every
-buffer is written at the same index, so the smallest bounds them all.
+buffer is written at the same index, so the smallest bounds them all. The
+frame also carries the metadata buffers' row sizes, which F9
+(:mod:`.registration_check`) compares with prefill's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class PoolBounds:
     kv: Optional[int]
     aux: Optional[int]
     state: tuple = ()  # one Optional[int] per state component, in registration order
+    # Bytes per row of each metadata buffer, in registration order (F9 compares
+    # them with prefill's); None: not published (a decode older than F9).
+    aux_item_lens: Optional[tuple] = None
 
 
 def entries(data_lens: Sequence[int], item_lens: Sequence[int], label: str) -> Optional[int]:
@@ -69,17 +74,22 @@ def bounds_of(
         raise IndexBoundsError(
             f"state: {len(state_data_lens)} components of buffer lengths, {len(state_item_lens)} of item lengths"
         )
+    aux = entries(aux_data_lens, aux_item_lens, "aux")
     return PoolBounds(
         kv=entries(kv_data_lens, kv_item_lens, "kv"),
-        aux=entries(aux_data_lens, aux_item_lens, "aux"),
+        aux=aux,
         state=tuple(
             entries(d, i, f"state component {c}") for c, (d, i) in enumerate(zip(state_data_lens, state_item_lens))
         ),
+        aux_item_lens=None if aux is None else tuple(int(i) for i in aux_item_lens),
     )
 
 
 def encode_frame(bounds: PoolBounds) -> bytes:
-    return FRAME_PREFIX + json.dumps({"kv": bounds.kv, "aux": bounds.aux, "state": list(bounds.state)}).encode()
+    data = {"kv": bounds.kv, "aux": bounds.aux, "state": list(bounds.state)}
+    if bounds.aux_item_lens is not None:  # absent, not null: a frame without it reads as before
+        data["aux_item_lens"] = list(bounds.aux_item_lens)
+    return FRAME_PREFIX + json.dumps(data).encode()
 
 
 def _opt_count(value, label: str) -> Optional[int]:
@@ -88,6 +98,14 @@ def _opt_count(value, label: str) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise IndexBoundsError(f"bounds frame: {label} is {value!r}, not a count")
     return value
+
+
+def _opt_sizes(value) -> Optional[tuple]:
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value):
+        raise IndexBoundsError(f"bounds frame: aux_item_lens is {value!r}, not a list of row sizes")
+    return tuple(value)
 
 
 def decode_frame(frame: bytes) -> Optional[PoolBounds]:
@@ -104,6 +122,7 @@ def decode_frame(frame: bytes) -> Optional[PoolBounds]:
         kv=_opt_count(data.get("kv"), "kv"),
         aux=_opt_count(data.get("aux"), "aux"),
         state=tuple(_opt_count(v, f"state component {c}") for c, v in enumerate(data.get("state", []))),
+        aux_item_lens=_opt_sizes(data.get("aux_item_lens")),
     )
 
 

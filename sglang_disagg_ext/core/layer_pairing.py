@@ -20,15 +20,13 @@ pipeline parallelism on prefill (each stage's state pool starts again at
 local layer 0, and SGLang publishes no state layer ids for these
 components, so which decode layers a stage holds is unknown) when the counts
 differ; when decode has fewer layers than prefill; when a side's buffer
-count is odd (not K/V halves). Published per-entry layer ids, where both
-sides have them, pair directly.
+count is odd (not K/V halves).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict, deque
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 
 class LayerPairingError(ValueError):
@@ -74,21 +72,16 @@ def pair_state_layers(
     n_dst_entries: int,
     *,
     pp_size: int = 1,
-    src_layer_ids: Optional[Sequence[int]] = None,
-    dst_layer_ids: Optional[Sequence[int]] = None,
 ) -> LayerPairs:
     """How prefill's K/V buffers of one component map onto decode's.
 
     ``where`` names the component in errors (e.g. ``"state component 0 (swa)"``).
-    ``src_layer_ids`` / ``dst_layer_ids``: optional published model layer id of
-    each *entry* (K entries then V entries, as SGLang's ``state_layer_ids``);
-    used only when both sides publish them. Raises :class:`LayerPairingError`
-    naming the component and both counts when the layers cannot be paired.
+    Raises :class:`LayerPairingError` naming the component and both counts when
+    the layers cannot be paired. (Where both sides publish state layer ids,
+    0.5.23 pairs by them itself and never calls the positional function.)
     """
     n = _halves("prefill", n_src_entries, where)
     m = _halves("decode", n_dst_entries, where)
-    if src_layer_ids and dst_layer_ids:
-        return LayerPairs(n, m, _by_published_ids(where, n, m, src_layer_ids, dst_layer_ids))
     if n == m:
         return LayerPairs(n, m, tuple(range(n)))
     counts = f"prefill has {n} layers ({n_src_entries} buffers), decode has {m} ({n_dst_entries} buffers)"
@@ -101,33 +94,3 @@ def pair_state_layers(
         raise LayerPairingError(f"{where}: {counts}: decode lacks layers prefill would write")
     # Same model, same order, decode-only (draft) layers at the tail.
     return LayerPairs(n, m, tuple(range(n)))
-
-
-def _by_published_ids(
-    where: str, n: int, m: int, src_ids: Sequence[int], dst_ids: Sequence[int]
-) -> Tuple[int, ...]:
-    if len(src_ids) != 2 * n or len(dst_ids) != 2 * m:
-        raise LayerPairingError(
-            f"{where}: layer ids do not cover the buffers: prefill {len(src_ids)} ids for {2 * n} "
-            f"buffers, decode {len(dst_ids)} ids for {2 * m}"
-        )
-    # K halves pair by id; the V halves must then pair the same way.
-    dst_k: Dict[int, deque] = defaultdict(deque)
-    for j, lid in enumerate(dst_ids[:m]):
-        dst_k[lid].append(j)
-    out = []
-    for i, lid in enumerate(src_ids[:n]):
-        if not dst_k[lid]:
-            raise LayerPairingError(
-                f"{where}: prefill layer {lid} (buffer {i}) has no decode buffer "
-                f"(prefill has {n} layers, decode has {m})"
-            )
-        j = dst_k[lid].popleft()
-        if src_ids[n + i] != lid or dst_ids[m + j] != lid:
-            raise LayerPairingError(
-                f"{where}: layer ids of the V half do not follow the K half "
-                f"(prefill V buffer {n + i}: {src_ids[n + i]}, decode V buffer {m + j}: {dst_ids[m + j]}, "
-                f"layer {lid})"
-            )
-        out.append(j)
-    return tuple(out)

@@ -69,12 +69,20 @@ def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
     return make_row(name, fix, backend, "fail", "fail", False, 0.0, ext_detail=f"not run: {why}", **extra)
 
 
+def ext_only_row(name: str, fix: str, backend: str, ext_ok: bool, ext, seconds: float) -> Dict:
+    """A row of ``selftest --ext-only``: the -ext run alone, stock "not run" (never compared)."""
+    return make_row(name, fix, backend, "not run", "pass" if ext_ok else "fail",
+                    ext_ok and any(r.bytes_verified for r in ext.requests), seconds,
+                    stock_detail="not run (--ext-only)",
+                    ext_detail=None if ext_ok else ext.describe(logs=False), **observed(ext))
+
+
 def mooncake_scenarios(policy) -> List:
-    """Every Mooncake scenario that applies on ``policy``'s release, by fix (F1/F2, F6, F7, F8)."""
-    from sglang_disagg_ext.selftest.scenarios import isolation, mooncake, state_pairing, thread_survival
+    """Every Mooncake scenario that applies on ``policy``'s release, by fix (F1/F2, F6, F7, F8, F9)."""
+    from sglang_disagg_ext.selftest.scenarios import isolation, mooncake, registration, state_pairing, thread_survival
 
     out = list(mooncake.scenarios_for(policy))
-    for module in (isolation, state_pairing, thread_survival):
+    for module in (isolation, state_pairing, thread_survival, registration):
         out += [s for s in module.SCENARIOS if s.applies(policy)]
     return out
 
@@ -93,7 +101,7 @@ def prefill_fault_hooks() -> Optional[str]:
 
 
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
-                  names: Optional[List[str]] = None) -> List[Dict]:
+                  names: Optional[List[str]] = None, ext_only: bool = False) -> List[Dict]:
     from sglang_disagg_ext.selftest.harness.run import run_scenario
 
     transfer = dataclasses.asdict(options or TransferOptions())
@@ -118,9 +126,15 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
             transfer_run = transfer
         start = time.monotonic()
         scenario = builtin.build(policy)
-        stock = run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer_run)
+        stock = None if ext_only else run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer_run)
         ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s, **transfer_run)
-        failure = engine_start_failure(ext) or engine_start_failure(stock)
+        failure = engine_start_failure(ext) or (stock is not None and engine_start_failure(stock))
+        if stock is None:
+            rows.append(ext_only_row(builtin.name, builtin.fix, "mooncake", builtin.evaluate(ext), ext,
+                                     time.monotonic() - start))
+            if failure:
+                start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
+            continue
         if failure:
             start_failure = f"the engine did not start in scenario {builtin.name!r}: {failure}"
         stock_expected = builtin.stock_expectation(policy)
@@ -157,8 +171,12 @@ _ROW_SOURCES = {b.name: b.selftest_rows for b in BACKENDS}
 
 
 def collect_rows(backends: List[str], timeout_s: float, options: Optional[TransferOptions] = None,
-                 names: Optional[List[str]] = None) -> List[Dict]:
-    """Every row for ``backends`` plus the F5 rows; ``names`` limits them to those scenarios."""
+                 names: Optional[List[str]] = None, ext_only: bool = False) -> List[Dict]:
+    """Every row for ``backends`` plus the F5 rows; ``names`` limits them to those scenarios.
+
+    ``ext_only``: Mooncake and NIXL scenarios run with the -ext name only (MoRI's
+    stand-in rows and the in-process F5 rows are unchanged: they are cheap).
+    """
     options = (options or TransferOptions()).validated()
     policy = releases.current_policy()
     rows: List[Dict] = []
@@ -166,9 +184,9 @@ def collect_rows(backends: List[str], timeout_s: float, options: Optional[Transf
         module_name, func_name = _ROW_SOURCES[backend]
         func = getattr(importlib.import_module(module_name), func_name)
         if backend == "mooncake":
-            rows.extend(func(policy, timeout_s, options=options, names=names))
+            rows.extend(func(policy, timeout_s, options=options, names=names, ext_only=ext_only))
         elif backend == "nixl":
-            rows.extend(func(timeout_s=timeout_s, names=names, options=options))
+            rows.extend(func(timeout_s=timeout_s, names=names, options=options, ext_only=ext_only))
         else:
             rows.extend(func(options=options, names=names))
     from sglang_disagg_ext.selftest.scenarios.f5 import f5_row_names, f5_rows
@@ -178,6 +196,11 @@ def collect_rows(backends: List[str], timeout_s: float, options: Optional[Transf
     if names is None or set(names) & set(f5_row_names()):
         f5 = f5_rows(device=options.device)
         rows.extend(r for r in f5 if names is None or r["scenario"] in names)
+    from sglang_disagg_ext.selftest.scenarios.metadata_gate import metadata_gate_row_names, metadata_gate_rows
+
+    # F10 rows drive SGLang's decode transfer queue in this process (no transfer).
+    if names is None or set(names) & set(metadata_gate_row_names()):
+        rows.extend(r for r in metadata_gate_rows() if names is None or r["scenario"] in names)
     return rows
 
 
@@ -197,7 +220,9 @@ def scenario_names(backends: List[str]) -> List[str]:
         from sglang_disagg_ext.selftest.scenarios.mori import ROW_NAMES
 
         names += list(ROW_NAMES)
-    return names + f5_row_names()
+    from sglang_disagg_ext.selftest.scenarios.metadata_gate import metadata_gate_row_names
+
+    return names + f5_row_names() + metadata_gate_row_names()
 
 
 def device_preflight(options: TransferOptions, backends: List[str], asked: Optional[str] = None) -> Optional[str]:
@@ -299,11 +324,14 @@ def main(args) -> int:
             return 2
     show_progress(sys.stderr)
     print(f"[selftest] SGLang {policy.version} ({policy.support_text}); backends {', '.join(backends)}; "
-          f"{options.describe()}; each row runs stock and -ext (about 1-25 s a row, 3 min for all on a "
-          "2-core CPU machine)", file=sys.stderr, flush=True)
+          f"{options.describe()}; "
+          + ("each row runs -ext only (--ext-only)" if getattr(args, "ext_only", False) else
+             "each row runs stock and -ext (about 1-25 s a row, 3 min for all on a 2-core CPU machine)"),
+          file=sys.stderr, flush=True)
     # SGLang's import-time UserWarnings (no Triton, no CUDA kernels) say nothing about transfers.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
-    rows = collect_rows(backends, args.timeout, options=options, names=names)
+    ext_only = bool(getattr(args, "ext_only", False))
+    rows = collect_rows(backends, args.timeout, options=options, names=names, ext_only=ext_only)
     failed = [r for r in rows if r["ext"] not in ("pass", "n/a")]
     counts = totals(rows)
     if args.json:
@@ -314,6 +342,7 @@ def main(args) -> int:
             "state_layout": policy.layout.value if policy.layout else None,
             "backends": backends,
             "transfer": options.describe(),
+            "ext_only": ext_only,
             "rows": rows,
             "totals": counts,
         }, indent=2))

@@ -16,7 +16,6 @@ import sys
 import pytest
 
 import sglang
-from sglang_disagg_ext import releases
 
 
 def _sglang_tree_digest():

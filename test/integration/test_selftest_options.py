@@ -173,3 +173,20 @@ def test_explicit_tcp_cpu_row_passes_like_the_default():
     assert row["scenario"] == name
     assert row["ext"] == "pass" and row["verified"] is True, row
     assert row["engine_transport"] == ["tcp"] and row["pool_devices"] == ["cpu"], row
+
+
+@needs_mooncake
+@pytest.mark.engine
+@pytest.mark.timeout(CLI_TIMEOUT)
+def test_ext_only_runs_the_ext_side_alone():
+    """``--ext-only``: the row's -ext run passes with its bytes verified; stock is "not run",
+    never a verdict, and the JSON says which mode ran."""
+    name = _first_mooncake_scenario()
+    out = _cli("--backend", "mooncake", "--scenario", name, "--ext-only", "--json", timeout=CLI_TIMEOUT - 10)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    report = json.loads(out.stdout)
+    assert report["ext_only"] is True
+    (row,) = [r for r in report["rows"] if r["scenario"] == name]
+    assert row["stock"] == "not run" and row["stock_detail"] == "not run (--ext-only)"
+    assert row["ext"] == "pass" and row["verified"] is True
+    assert "each row runs -ext only (--ext-only)" in out.stderr

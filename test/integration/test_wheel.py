@@ -56,6 +56,31 @@ def test_wheel_holds_the_package_and_nothing_test_only(wheel_install):
     assert outside == [], outside
     test_only = [n for n in modules if any(os.path.basename(n).startswith(t) or f"/{t}" in n for t in TEST_ONLY)]
     assert test_only == [], test_only
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+
+
+@pytest.mark.timeout(400)
+def test_the_installed_wheel_answers_version_doctor_and_list(wheel_install, tmp_path):
+    """What an operator runs first on a node, from the wheel alone (no checkout on the path)."""
+    from sglang_disagg_ext import __version__, releases
+
+    _, target = wheel_install
+    env = dict(os.environ, PYTHONPATH=str(target))
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "sglang_disagg_ext.cli", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+        return out.stdout
+
+    version = cli("--version")
+    assert __version__ in version and str(releases.installed_sglang_version()) in version
+    report = json.loads(cli("doctor", "--json"))
+    assert report["sglang_version"] == releases.installed_sglang_version()
+    assert set(report["fixes"]) == set(releases.FIXES)
+    names = cli("selftest", "--list").splitlines()
+    assert "swa 2 layers, decode +1" in names  # F7's row: live on every release in the matrix
+    assert len(names) == len(set(names)) > 5
 
 
 @pytest.mark.timeout(400)
@@ -64,7 +89,8 @@ def test_selftest_from_the_wheel_runs_or_names_each_row(wheel_install, tmp_path)
     env = dict(os.environ, PYTHONPATH=str(target))
     out = subprocess.run(
         [sys.executable, "-m", "sglang_disagg_ext.cli", "selftest", "--backend", "mooncake", "--backend", "mori",
-         "--scenario", "swa 3 vs 2 pages", "--scenario", "mori-hybrid-state", "--json"],
+         "--scenario", "swa 3 vs 2 pages", "--scenario", "mori-hybrid-state",
+         "--scenario", "transfer worker raises, then a good request", "--json"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -76,6 +102,9 @@ def test_selftest_from_the_wheel_runs_or_names_each_row(wheel_install, tmp_path)
     mori = rows["mori-hybrid-state"]
     assert mori["ext"] == "n/a" and mori["not_run"], mori
     assert report["totals"]["not_run_rows"]["mori-hybrid-state"] == mori["not_run"]
+    # F8's rows need a test-only fault hook to make a thread raise: not run from a wheel, and said why.
+    f8 = rows["transfer worker raises, then a good request"]
+    assert f8["ext"] == "n/a" and "no source checkout" in f8["not_run"], f8
     assert report["totals"]["passed"] == report["totals"]["ran"] - report["totals"]["failed"]
     assert str(target) in subprocess.run(
         [sys.executable, "-c", "import sglang_disagg_ext; print(sglang_disagg_ext.__file__)"],

@@ -42,7 +42,7 @@ def test_bounds_of_kv_args_lists():
     # KV: 2 buffers of 12 pages x 256 B; aux: rows of 64 and 512 B, 8 each;
     # state: an SWA component of 8 pages x 128 B, a Mamba one of 5 and 4 slots.
     b = bounds_of([3072, 3072], [256, 256], [512, 4096], [64, 512], [[1024, 1024], [960, 256]], [[128, 128], [192, 64]])
-    assert b == PoolBounds(kv=12, aux=8, state=(8, 4))
+    assert b == PoolBounds(kv=12, aux=8, state=(8, 4), aux_item_lens=(64, 512))
 
 
 def test_frame_round_trip_and_foreign_frames():

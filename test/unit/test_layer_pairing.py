@@ -55,15 +55,6 @@ def test_equal_counts_pair_in_place_even_with_pp():
     assert pair_state_layers("c", 6, 6, pp_size=4).dst_of == (0, 1, 2)
 
 
-@pytest.mark.timeout(10)
-def test_published_ids_pair_by_id():
-    # prefill stage holds model layers 5, 7; decode holds 3, 5, 7, 60 (60: draft)
-    pairs = pair_state_layers("c", 4, 8, pp_size=2, src_layer_ids=[5, 7, 5, 7], dst_layer_ids=[3, 5, 7, 60, 3, 5, 7, 60])
-    assert pairs.dst_of == (1, 2)
-    with pytest.raises(LayerPairingError, match="prefill layer 9 \\(buffer 1\\) has no decode buffer"):
-        pair_state_layers("c", 4, 4, src_layer_ids=[5, 9, 5, 9], dst_layer_ids=[5, 7, 5, 7])
-
-
 # -- the mixin, over a fake manager (no SGLang) ---------------------------------------
 
 

@@ -8,24 +8,27 @@ L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
 X = FixStatus.UNCOVERED
 
-# (release, support, layout, F1..F8) — from shared/notes/sglang-releases.md, except F4/F5 on
+# (release, support, layout, F1..F10) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
 # mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
 # wheel 0.5.10.post1-0.5.23: live in all (e.g. the session blacklisted after one failed KV
 # send, 0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.17 :1718-1719, 0.5.23 :2742-2745);
 # 0.5.13-0.5.22 have no adapter proven against their code: uncovered, pass-through; F6 is
-# uncovered before 0.5.23 too (no manager hook to publish decode's pool sizes there).
+# uncovered before 0.5.23 too (no manager hook to publish decode's pool sizes there). F9/F10
+# (metadata buffers paired by position; decode's metadata gate without a deadline) read in
+# every wheel: live; covered on 0.5.23 only (F10 before 0.5.13: the gate runs after the TP
+# all-reduce, so a per-rank deadline would desynchronise ranks).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, X, L, L)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, X, L, L)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L)),
-    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
-    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
-    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
-    ("0.5.22", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, X, L, L, X, X)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, X, L, L, X, X)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X)),
+    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
+    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
+    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
+    ("0.5.22", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L)),
 ]
 
 

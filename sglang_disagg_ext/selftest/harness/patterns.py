@@ -16,7 +16,8 @@ plugin's code under test):
   is left alone (fix F1's rule). A ``None`` list moves nothing.
 * Mamba: one slot to one slot; anything but exactly one slot on each side
   moves nothing.
-* Aux: the request's prefill row -> its decode row, in every aux buffer.
+* Aux: the request's prefill row -> its decode row, in every aux buffer (a
+  KV-checksum buffer only decode has receives nothing).
 
 After request ``k`` the pages it targets must hold those source bytes, and
 every page no request ``0 .. k`` targets must still hold the sentinel. Pages
@@ -178,15 +179,21 @@ def expected_after_request(scn: Scenario, index: int) -> Dict[int, PoolExpectati
     return out
 
 
-def source_buffer(scn: Scenario, pool_id: int, decode_buffer: int) -> Tuple[Optional[int], List[int]]:
+def source_buffer(
+    scn: Scenario, pool_id: int, decode_buffer: int, decode_buffers: Optional[int] = None
+) -> Tuple[Optional[int], List[int]]:
     """(prefill buffer that decode buffer ``decode_buffer`` of pool ``pool_id`` receives, or
     None for a decode-only layer; every prefill buffer of that pool, to name misplaced bytes).
 
     Only a paged state pool with ``decode_extra_layers`` differs from "the same
     index": prefill has ``n`` layers (K0..K(n-1), V0..V(n-1)), decode ``m = n +
     extra`` (K0..K(m-1), V0..V(m-1)); prefill layer L belongs in decode layer L
-    and decode layers n..m-1 receive nothing.
+    and decode layers n..m-1 receive nothing. And the aux pool with
+    ``kv_checksum_on == "decode"``: decode's last buffer (of ``decode_buffers``)
+    is the checksum buffer prefill does not have, so it receives nothing.
     """
+    if pool_id == AUX_POOL_ID and scn.kv_checksum_on == "decode" and decode_buffers is not None:
+        return (None, []) if decode_buffer == decode_buffers - 1 else (decode_buffer, [])
     c = pool_id - STATE_POOL_BASE
     if c < 0 or c >= len(scn.state_pools) or not scn.state_pools[c].decode_extra_layers:
         return decode_buffer, []
@@ -284,7 +291,9 @@ def compare_buffer(
 # follow from which global heads each rank holds. Head placement below is
 # SGLang's QKV weight sharding, written out independently of the plugin:
 # H >= TP: rank r holds heads [r*H/TP, (r+1)*H/TP); H < TP: each head is on
-# TP/H consecutive ranks, rank r holds head r // (TP/H).
+# TP/H consecutive ranks, rank r holds head r // (TP/H). A paged state pool
+# (an SWA window cache) is attention KV too: the same rules with its own pool
+# id and head count (``pool_id`` below).
 
 
 def rank_kv_heads(total_heads: int, tp_size: int, rank: int) -> List[int]:
@@ -307,19 +316,31 @@ def heads_per_rank(total_heads: int, tp_size: int) -> int:
 
 
 def kv_rank_pages(
-    buffer: int, pages: Sequence[int], page_size: int, total_heads: int, head_bytes: int, heads: Sequence[int]
+    buffer: int,
+    pages: Sequence[int],
+    page_size: int,
+    total_heads: int,
+    head_bytes: int,
+    heads: Sequence[int],
+    pool_id: int = KV_POOL_ID,
 ) -> np.ndarray:
     """uint8[len(pages), page_size * len(heads) * head_bytes]: those pages as a rank holding ``heads`` has them."""
-    full = _pattern(KV_POOL_ID, buffer, np.asarray(pages), page_size * total_heads * head_bytes)
+    full = _pattern(pool_id, buffer, np.asarray(pages), page_size * total_heads * head_bytes)
     full = full.reshape(len(pages), page_size, total_heads, head_bytes)
     return np.ascontiguousarray(full[:, :, list(heads), :]).reshape(len(pages), -1)
 
 
 def kv_rank_buffer(
-    buffer: int, num_pages: int, page_size: int, total_heads: int, head_bytes: int, heads: Sequence[int]
+    buffer: int,
+    num_pages: int,
+    page_size: int,
+    total_heads: int,
+    head_bytes: int,
+    heads: Sequence[int],
+    pool_id: int = KV_POOL_ID,
 ) -> np.ndarray:
     """A whole KV buffer of one rank: uint8[num_pages, page_size * len(heads) * head_bytes]."""
-    return kv_rank_pages(buffer, range(num_pages), page_size, total_heads, head_bytes, heads)
+    return kv_rank_pages(buffer, range(num_pages), page_size, total_heads, head_bytes, heads, pool_id)
 
 
 def compare_kv_rank_buffer(
@@ -334,6 +355,7 @@ def compare_kv_rank_buffer(
     heads: Sequence[int],
     dtype_size: int,
     label: str,
+    pool_id: int = KV_POOL_ID,
 ) -> List[str]:
     """Check one decode KV buffer of a multi-rank run; return mismatch lines.
 
@@ -355,7 +377,7 @@ def compare_kv_rank_buffer(
     if expectation.writes:
         dst = np.asarray(sorted(expectation.writes), dtype=np.int64)
         src = [expectation.writes[d] for d in dst.tolist()]
-        want = kv_rank_pages(buffer, src, page_size, total_heads, head_bytes, heads)
+        want = kv_rank_pages(buffer, src, page_size, total_heads, head_bytes, heads, pool_id)
         got = actual[dst]
         if got.shape != want.shape:
             return [f"{label}: page rows of {got.shape[1]} bytes, expected {want.shape[1]}"]

@@ -106,7 +106,11 @@ class ScenarioResult:
     launch: Dict[str, str] = dataclasses.field(default_factory=dict)
     # Per worker: the plugin's INFO lines (its activation line), as a server logs them.
     plugin_log: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
+    # Per process: its sglang_disagg_ext_* Prometheus metrics (text format) when the run ended.
+    plugin_metrics: Dict[str, str] = dataclasses.field(default_factory=dict)
     pids: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # Per worker: the ranks SGLang itself computed there (``sglang_setup.sglang_ranks``).
+    sglang_ranks: Dict[str, Dict[str, Optional[int]]] = dataclasses.field(default_factory=dict)
     killed: List[str] = dataclasses.field(default_factory=list)
     prefill_log_tail: str = ""
     decode_log_tail: str = ""
@@ -474,7 +478,9 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.timings = {name: side[name].get("timings", {}) for name in names}
     result.engines = {name: side[name].get("engine") for name in names}
     result.plugin_log = {name: side[name].get("plugin_log", []) for name in names}
+    result.plugin_metrics = {name: side[name].get("plugin_metrics", "") for name in names}
     result.pool_devices = {name: pool_devices(side[name]) for name in names}
+    result.sglang_ranks = {name: side[name].get("sglang_ranks", {}) for name in names}
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])

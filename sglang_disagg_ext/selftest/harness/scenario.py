@@ -28,6 +28,8 @@ KV_POOL_ID = 0
 AUX_POOL_ID = 1
 STATE_POOL_BASE = 2
 
+KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
+
 
 class ScenarioError(ValueError):
     """A scenario that cannot be run as written."""
@@ -159,10 +161,17 @@ class Scenario:
     room_base: int = 1000
     # Attention TP sizes (one process per rank). With either above 1,
     # ``kv.head_num`` is the model's total KV-head count and each rank's KV
-    # pool holds its share (see ``patterns.rank_kv_heads``); run_scenario
-    # then runs the topology through ``harness.ranks``.
+    # pool holds its share (see ``patterns.rank_kv_heads``), and so does each
+    # paged state pool of its own ``head_num`` (the only state kind allowed
+    # then); run_scenario then runs one worker process per rank.
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Which sides build their metadata buffers with SGLang's optional KV-checksum
+    # buffer (``MetadataBuffers(kv_checksum_enabled=True)``, what
+    # ``--disaggregation-enable-kv-checksum`` gives; 0.5.23+): one of
+    # KV_CHECKSUM_SIDES. On one side only, that side has one more aux buffer
+    # (the last), which the other side's pools have no counterpart for.
+    kv_checksum_on: str = "none"
 
     @property
     def multi_rank(self) -> bool:
@@ -193,6 +202,10 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: state pool {i} needs num_pages, num_layers >= 1")
             if pool.decode_extra_layers < 0 or (pool.decode_extra_layers and not pool.paged):
                 raise ScenarioError(f"{self.name}: state pool {i}: decode_extra_layers needs a paged kind, >= 0")
+        if self.kv_checksum_on not in KV_CHECKSUM_SIDES:
+            raise ScenarioError(
+                f"{self.name}: kv_checksum_on {self.kv_checksum_on!r} not one of {', '.join(KV_CHECKSUM_SIDES)}"
+            )
         _check_ranks(self)
         rooms = set()
         for r, req in enumerate(self.requests):
@@ -256,8 +269,18 @@ def _check_ranks(scn: Scenario) -> None:
         value = getattr(scn, side)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScenarioError(f"{scn.name}: {side} must be an int >= 1, got {value!r}")
-    if scn.multi_rank and scn.state_pools:
-        raise ScenarioError(f"{scn.name}: multi-rank scenarios carry KV and aux only (no state pools)")
+    if not scn.multi_rank:
+        return
+    # Paged state pools (an SWA window cache) are attention KV: each rank holds
+    # its share of the pool's ``head_num`` heads, placed as the KV heads are
+    # (patterns.rank_kv_heads). Mamba state is sharded by other rules, and a
+    # decode-only draft layer is a single-rank question; neither is modelled.
+    for i, pool in enumerate(scn.state_pools):
+        if not pool.paged or pool.decode_extra_layers:
+            raise ScenarioError(
+                f"{scn.name}: multi-rank scenarios carry paged state pools without decode_extra_layers only; "
+                f"state pool {i} is {pool.kind!r} with decode_extra_layers={pool.decode_extra_layers}"
+            )
 
 
 def _check_pages(scn: Scenario, label: str, pages, num_pages: Optional[int]) -> None:

@@ -1,7 +1,7 @@
 """Every SGLang-release difference the harness worker meets, in one place.
 
 The worker (``worker.py``) builds the same objects SGLang's prefill and decode
-schedulers build -- ``ServerArgs``, one-rank process groups, the shared Mooncake
+schedulers build -- ``ServerArgs``, process groups (one per side and rank), the shared Mooncake
 engine, KV pool, metadata buffers, ``KVArgs``, the backend's manager, sender and
 receiver -- and asks this module how to do each step on the installed release.
 Release facts come from ``sglang_disagg_ext.releases`` (state layout) and from
@@ -17,7 +17,9 @@ References (``file:line`` in the release named):
     when the backend string equals ``"mooncake"`` (0.5.11 :1277).
   * Process groups: ``init_distributed_environment``, ``initialize_model_parallel``,
     ``initialize_dp_attention`` (every release's CommonKVManager reads the
-    attention TP/CP/DP getters and, on prefill, ``get_pp_group()``).
+    attention TP/CP/DP getters and, on prefill, ``get_pp_group()``); 0.5.13+
+    publish the rank placement first (``runtime_context.publish``, 0.5.23
+    managers/scheduler.py:6327) and size the groups from it.
 """
 
 from __future__ import annotations
@@ -180,12 +182,14 @@ def init_runtime(
     world_size: int = 1,
     gpu_id: Optional[int] = None,
 ) -> None:
-    """One-rank process groups, as a TP=1 scheduler has them.
+    """Real process groups, as the release's scheduler builds them (one rank by default).
 
     Every release's ``CommonKVManager`` reads the attention TP/CP/DP getters and
     (prefill) ``get_pp_group()``, which assert unless real groups exist.
     With ``world_size`` > 1 (multi-rank scenarios): this process is TP rank
-    ``rank`` of a real gloo group of that size, one process per rank.
+    ``rank`` of a real gloo group of that size, one process per rank, on
+    every release (0.5.13+: through ``runtime_context``, see
+    ``_init_runtime_context``).
     ``gpu_id`` (GPU pools): the CUDA device this process uses. SGLang's group
     coordinator puts its tensors on ``cuda:<local_rank>``, so ``local_rank`` is
     that index: every rank of a harness run shares the one GPU asked for.
@@ -197,9 +201,7 @@ def init_runtime(
 
         torch.cuda.set_device(gpu_id)
     if _has_runtime_context():
-        if world_size != 1:
-            raise NotImplementedError("multi-rank harness runs need a release without runtime_context (<= 0.5.12)")
-        _init_runtime_context(server_args, dist_init_method, gpu_id=gpu_id or 0)
+        _init_runtime_context(server_args, dist_init_method, rank=rank, world_size=world_size, gpu_id=gpu_id)
         return
     set_global_server_args_for_scheduler(server_args)
     from sglang.srt.distributed import parallel_state as ps
@@ -218,23 +220,49 @@ def init_runtime(
     initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
 
 
-def _init_runtime_context(server_args, dist_init_method: str, gpu_id: int = 0) -> None:
-    """0.5.2x: publish the config with a rank placement, then real one-rank groups.
+def _init_runtime_context(
+    server_args, dist_init_method: str, rank: int = 0, world_size: int = 1, gpu_id: Optional[int] = None
+) -> None:
+    """0.5.13+: publish the config with this rank's placement, then real groups.
 
-    Mirrors ``managers/scheduler.py::run_scheduler_process`` (publish with
-    ``SpawnRanks``) and ``distributed/bootstrap.py::_init_parallel_groups``
-    (0.5.23 :304), whose widths come from the published context.
+    Mirrors ``managers/scheduler.py::run_scheduler_process`` (0.5.23 :6327:
+    ``publish(..., ranks=SpawnRanks(world_rank=spawn_world_rank(tp_rank,
+    pp_rank), gpu_id=...))``) and ``distributed/bootstrap.py::_init_parallel_groups``
+    (0.5.23 :304: ``init_distributed_environment(world_size=tp*pp,
+    rank=tp_size*pp_rank+tp_rank, local_rank=gpu_id)``, then
+    ``initialize_model_parallel()`` and ``initialize_dp_attention``, whose
+    widths come from the published context, not from arguments).
+
+    ``server_args.tp_size`` must equal ``world_size`` (``make_server_args``
+    sets it): publish derives this process's TP/attention ranks from the
+    configured widths and the world rank, and ``initialize_model_parallel``
+    checks the gloo world against them. ``gpu_id`` None (CPU pools): the
+    device index is the TP rank, what the launcher hands a CPU scheduler
+    (``base_gpu_id + tp_rank * gpu_id_step``); the group coordinator uses
+    ``local_rank`` only to pick a device, the CPU there. With a GPU, every
+    rank uses the one GPU asked for (see ``init_runtime``).
     """
     from sglang.srt import runtime_context as rc
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
-    rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=gpu_id))
+    configured = getattr(server_args, "tp_size", 1)
+    if configured != world_size:
+        raise ValueError(f"harness rank {rank}: ServerArgs tp_size is {configured}, the gloo world has {world_size}")
+    device_index = rank if gpu_id is None else gpu_id
+    world_rank = rc.spawn_world_rank(server_args, tp_rank=rank, pp_rank=0)
+    rc.publish(
+        server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=world_rank, dp_rank=None, gpu_id=device_index)
+    )
+    # The scheduler sets this from --disable-custom-all-reduce (bootstrap.py
+    # _set_all_reduce_flags); gloo groups, and every rank of a GPU run shares
+    # one device, so no custom all-reduce, as on older releases.
+    ps.set_custom_all_reduce(False)
     ps.init_distributed_environment(
         backend="gloo",
-        world_size=1,
-        rank=0,
-        local_rank=gpu_id,
+        world_size=world_size,
+        rank=world_rank,
+        local_rank=device_index,
         distributed_init_method=dist_init_method,
     )
     ps.initialize_model_parallel()
@@ -385,12 +413,21 @@ def mha_pool_tensors(pool) -> list:
     return list(pool.k_buffer) + list(pool.v_buffer)
 
 
-def make_metadata_buffers(rows: int, hidden_size: int, dtype):
+def make_metadata_buffers(rows: int, hidden_size: int, dtype, kv_checksum: bool = False):
+    """``kv_checksum``: build them as ``--disaggregation-enable-kv-checksum`` does (0.5.23+:
+    one more buffer, the last); a release without that buffer refuses it by name."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
     kwargs = {}
     if releases.features().metadata_buffers_sampling_mask:  # 0.5.2x
         kwargs["max_sampling_mask_tokens"] = 0
+    if kv_checksum:
+        if "kv_checksum_enabled" not in releases.init_parameters(MetadataBuffers):
+            raise RuntimeError(
+                f"SGLang {sglang_version()}'s MetadataBuffers has no KV-checksum buffer (no kv_checksum_enabled "
+                "parameter): the scenario's kv_checksum_on cannot be built on this release"
+            )
+        kwargs["kv_checksum_enabled"] = True
     return MetadataBuffers(rows, hidden_size, dtype, **kwargs)
 
 
@@ -419,6 +456,20 @@ class StateComponent:
     ptrs: List[int]
     lens: List[int]
     item_lens: List[int]
+    # Paged kinds: the MHA pool's ``kv_cache_layout`` ("nhd" ...), None where
+    # the release's pool has none (``pool_kv_cache_layout``).
+    kv_cache_layout: Optional[str] = None
+
+
+def pool_kv_cache_layout(pool) -> Optional[str]:
+    """The page layout of a harness MHA pool, as ``setup_state_kv_args`` reads it.
+
+    0.5.23 ``disaggregation/utils.py:1554`` copies ``swa_kv_pool.kv_cache_layout``
+    into ``KVArgs.swa_kv_cache_layout``, and heterogeneous-TP SWA transfers
+    refuse anything but "nhd" (``common/conn.py:1771``). Releases whose pools
+    have no such attribute give None.
+    """
+    return getattr(pool, "kv_cache_layout", None)
 
 
 # Per-component releases: the StateType member each scenario kind maps to, in
@@ -535,6 +586,11 @@ def fill_kv_args(
             dutils.append_state_component(
                 kv_args, state_type_for(c.kind), list(c.ptrs), list(c.lens), list(c.item_lens)
             )
+            # What setup_state_kv_args records for an SWAKVPool whose window
+            # cache is an MHA pool (0.5.23 utils.py:1554); the harness appends
+            # the component itself, so it records the layout too.
+            if c.kind == "swa" and c.kv_cache_layout is not None and "swa_kv_cache_layout" in fields:
+                kv_args.swa_kv_cache_layout = c.kv_cache_layout
         registered = [getattr(t, "value", str(t)) for t in kv_args.state_types]
     return {"state_layout": state_layout().value, "state_types": registered}
 
@@ -584,6 +640,26 @@ def disaggregation_mode(role: str):
 
 def make_manager(manager_class, kv_args, role: str, server_args):
     return manager_class(kv_args, disaggregation_mode(role), server_args, False)
+
+
+def sglang_ranks(mgr) -> Dict[str, Optional[int]]:
+    """The ranks SGLang computed in this process, not the ones the harness asked for.
+
+    ``attn_tp_rank``/``attn_tp_size``: what the manager read from SGLang's
+    parallel state when it was built (``CommonKVManager.__init__``: the
+    ``get_attention_tp_*`` getters up to 0.5.12, ``get_parallel()`` on 0.5.23);
+    the bootstrap server and the head slices use these. ``world_rank`` /
+    ``world_size``: the gloo world this process joined.
+    """
+    import torch.distributed as dist
+
+    ready = dist.is_initialized()
+    return {
+        "attn_tp_rank": getattr(mgr, "attn_tp_rank", None),
+        "attn_tp_size": getattr(mgr, "attn_tp_size", None),
+        "world_rank": dist.get_rank() if ready else None,
+        "world_size": dist.get_world_size() if ready else None,
+    }
 
 
 def make_sender(sender_class, mgr, bootstrap_addr: str, room: int):

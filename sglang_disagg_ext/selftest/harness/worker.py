@@ -46,6 +46,20 @@ def _now() -> float:
     return time.monotonic() - T_START
 
 
+
+def _plugin_metrics_text() -> str:
+    """This process's ``sglang_disagg_ext_*`` metrics in Prometheus text format ("" if none were made).
+
+    Read only when the plugin's metrics module was used here (importing
+    ``prometheus_client`` otherwise would be the harness's doing, not SGLang's).
+    """
+    if "sglang_disagg_ext.metrics" not in sys.modules:
+        return ""
+    from prometheus_client import REGISTRY, generate_latest
+
+    text = generate_latest(REGISTRY).decode()
+    return "\n".join(line for line in text.splitlines() if "sglang_disagg_ext_" in line)
+
 class _LogCapture(logging.Handler):
     """Keeps WARNING+ records (SGLang's own, e.g. state-index trims) with times."""
 
@@ -105,6 +119,7 @@ class Worker:
     def write_result(self) -> None:
         self.result["thread_errors"] = [m for _, m in self.thread_errors.items][:20]
         self.result["plugin_log"] = [m for _, m in self.plugin_log.lines if m.startswith("INFO ")][:20]
+        self.result["plugin_metrics"] = _plugin_metrics_text()
         tmp = self.args.result + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.result, f, indent=1, default=str)
@@ -225,6 +240,7 @@ class Worker:
             why = f"UCX_TLS={os.environ.get('UCX_TLS')}: {type(exc).__name__}: {exc}"
             raise RuntimeError(rdma_init_failure("NIXL UCX backend", self.opts.ib_device, why)) from exc
         self.result["manager_class"] = ss.class_name(self.mgr)
+        self.result["sglang_ranks"] = ss.sglang_ranks(self.mgr)
         if self.role == "prefill":
             self._run_prefill_hook()
         self.KVPoll = ss.kvpoll()
@@ -270,21 +286,42 @@ class Worker:
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
 
-        self.meta = ss.make_metadata_buffers(scn.aux_rows, scn.hidden_size, dtype)
+        self.meta = ss.make_metadata_buffers(
+            scn.aux_rows, scn.hidden_size, dtype, kv_checksum=scn.kv_checksum_on in (self.role, "both")
+        )
         ptrs, lens, items = self.meta.get_buf_infos()
         self.pools.append(_Pool(AUX_POOL_ID, "aux", ss.metadata_tensors(self.meta, ptrs), ptrs, lens, items))
 
         self.state_components = []
         self._state_keepalive = []
+        # Multi-rank: pool id -> (total heads, bytes per head, element size, layers,
+        # the global heads this rank holds) of each paged state pool, sharded like
+        # the KV heads.
+        self.state_heads: Dict[int, tuple] = {}
         for c, spec in enumerate(scn.state_pools):
+            layout = None
             if spec.paged:
+                state_dtype = ss.torch_dtype(spec.dtype)
+                heads = spec.head_num
+                if scn.multi_rank:
+                    heads = patterns.heads_per_rank(spec.head_num, self.tp_size)
+                    try:
+                        held = patterns.rank_kv_heads(spec.head_num, self.tp_size, self.tp_rank)
+                    except ValueError:
+                        held = None  # a layout SGLang cannot shard: bytes are not checked
+                    if held is not None:
+                        size = torch.empty((), dtype=state_dtype).element_size()
+                        self.state_heads[STATE_POOL_BASE + c] = (
+                            spec.head_num, spec.head_dim * size, size, spec.num_layers, held
+                        )
                 pool = ss.make_mha_pool(
-                    spec.num_pages, scn.page_size, ss.torch_dtype(spec.dtype), spec.head_num, spec.head_dim,
+                    spec.num_pages, scn.page_size, state_dtype, heads, spec.head_dim,
                     spec.layers_on(self.role), device=device,
                 )
                 self._state_keepalive.append(pool)
                 tensors = ss.mha_pool_tensors(pool)
                 ptrs, lens, items = pool.get_contiguous_buf_infos()
+                layout = ss.pool_kv_cache_layout(pool)
             else:  # mamba: per state tensor, per layer, num_pages slots
                 tensors = [
                     torch.zeros((spec.num_pages, nbytes), dtype=torch.uint8, device=device)
@@ -296,7 +333,7 @@ class Worker:
                 items = [t[0].nbytes for t in tensors]
             name = f"state{c}:{spec.kind}"
             self.pools.append(_Pool(STATE_POOL_BASE + c, name, tensors, ptrs, lens, items))
-            self.state_components.append(ss.StateComponent(spec.kind, ptrs, lens, items))
+            self.state_components.append(ss.StateComponent(spec.kind, ptrs, lens, items, kv_cache_layout=layout))
 
         expected_pages = {KV_POOL_ID: scn.kv.num_pages, AUX_POOL_ID: scn.aux_rows}
         for c, spec in enumerate(scn.state_pools):
@@ -311,6 +348,12 @@ class Worker:
                 if self.role == "prefill" and pool.pool_id == KV_POOL_ID and self.kv_heads is not None:
                     src = patterns.kv_rank_buffer(
                         b, pool.num_pages, scn.page_size, scn.kv.head_num, self._head_bytes(), self.kv_heads
+                    )
+                    view.copy_(torch.from_numpy(src))
+                elif self.role == "prefill" and pool.pool_id in self.state_heads:
+                    total, head_bytes, _, _, held = self.state_heads[pool.pool_id]
+                    src = patterns.kv_rank_buffer(
+                        b, pool.num_pages, scn.page_size, total, head_bytes, held, pool_id=pool.pool_id
                     )
                     view.copy_(torch.from_numpy(src))
                 elif self.role == "prefill":
@@ -511,7 +554,15 @@ class Worker:
                         dtype_size=self._dtype_size(), label=f"decode rank {self.tp_rank} {pool.name} buffer {b}",
                     )
                     continue
-                src_b, others = patterns.source_buffer(self.scn, pool.pool_id, b)
+                if pool.pool_id in getattr(self, "state_heads", {}):  # paged state, multi-rank
+                    total, head_bytes, size, layers, held = self.state_heads[pool.pool_id]
+                    mismatches += patterns.compare_kv_rank_buffer(
+                        actual, b, exp, num_layers=layers, page_size=self.scn.page_size, total_heads=total,
+                        head_bytes=head_bytes, heads=held, dtype_size=size,
+                        label=f"decode rank {self.tp_rank} {pool.name} buffer {b}", pool_id=pool.pool_id,
+                    )
+                    continue
+                src_b, others = patterns.source_buffer(self.scn, pool.pool_id, b, len(pool.views))
                 mismatches += patterns.compare_buffer(
                     actual, pool.pool_id, src_b, exp if src_b is not None else patterns.untouched(exp),
                     f"{pool.name} buffer {b}", identify_buffers=others,

@@ -24,7 +24,7 @@ from sglang_disagg_ext.selftest.harness.scenario import (
     StatePoolSpec,
     StateSpec,
 )
-from sglang_disagg_ext.selftest.scenarios.mooncake import FAILED_WITHIN_S, BuiltinScenario
+from sglang_disagg_ext.selftest.scenarios.mooncake import FAILED_WITHIN_S, BuiltinScenario, refused_request_problem
 
 KV_PAGES = 12
 SWA_PAGES = 8
@@ -91,19 +91,9 @@ def refusal_problem(result, want: str) -> Optional[str]:
     if result.error or len(result.requests) < 2:
         return f"run error or too few requests: {result.error}"
     bad, good = result.requests[0], result.requests[1:]
-    if not bad.failed_within(FAILED_WITHIN_S):
-        return (f"request 0: not Failed on both sides within {FAILED_WITHIN_S}s "
-                f"(prefill={bad.prefill_status} {bad.prefill_seconds}, decode={bad.decode_status} {bad.decode_seconds})")
-    for side, reason in (("prefill", bad.prefill_failure_reason), ("decode", bad.decode_failure_reason)):
-        if want not in (reason or ""):
-            return f"request 0: {side} reason {reason!r} does not say {want!r}"
-    # Refused before the engine: every page it targets inside decode's pools
-    # still holds the sentinel, and nothing else was written.
-    stray = [m for m in bad.mismatches if "found the sentinel" not in m]
-    if stray or not bad.mismatches:
-        return f"request 0: decode pages written by a refused request: {stray or 'none expected-but-sentinel'}"
-    if bad.thread_errors:
-        return f"request 0: thread errors {bad.thread_errors}"
+    problem = refused_request_problem(bad, want)
+    if problem:
+        return problem
     for r in good:
         if not r.ok:
             return f"request {r.index}: not ok (prefill={r.prefill_status} decode={r.decode_status} bytes={r.bytes_verified})"

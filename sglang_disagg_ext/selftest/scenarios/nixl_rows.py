@@ -24,7 +24,8 @@ def _verdict(result, passed) -> str:
     return "pass" if passed(result) else "fail"
 
 
-def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = None, options=None) -> List[Dict]:
+def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = None, options=None,
+              ext_only: bool = False) -> List[Dict]:
     """One row per built-in scenario: stock ``nixl`` vs ``nixl-ext`` on the installed SGLang.
 
     ``names`` limits the run to those scenarios. On a release where the plugin
@@ -66,6 +67,8 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
         scenario = builtin.build()
         if builtin.decode_backend_for_ext:
             stock_verdict = "n/a"  # a mixed run; its all-stock twin is another row
+        elif ext_only:
+            stock_verdict = "not run"
         else:
             stock = run_scenario(scenario, "nixl", timeout_s=timeout_s, extra_env=builtin.stock_env(), **transfer)
             stock_verdict = _verdict(stock, builtin.passed)

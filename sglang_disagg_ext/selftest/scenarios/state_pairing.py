@@ -66,7 +66,7 @@ def expected_stock_mismatches(kind: str, n: int, extra: int) -> set:
     """The decode verifier's lines for stock's pairing of ``(n, extra)`` (STOCK_WRONG)."""
     out = set()
     for b, (want, got) in STOCK_WRONG[(n, extra)].items():
-        found = "the sentinel (never written)" if got is None else f"prefill buffer {{got}} page {{s}}'s bytes"
+        found = "the sentinel (never written)" if got is None else "prefill buffer {got} page {s}'s bytes"
         for s, d in zip(SRC_PAGES, DST_PAGES):
             what = found.format(got=got, s=s)
             if want is None:

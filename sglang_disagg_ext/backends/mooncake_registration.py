@@ -1,0 +1,147 @@
+"""F9 for ``mooncake-ext``: prefill refuses, at registration, a decode whose metadata buffers it cannot serve.
+
+Stock 0.5.23 compares the metadata (aux) buffer counts when a decode
+registers (``common/conn.py`` ``check_peer_aux_buffer_count``), only logs a
+difference, and then ``send_aux`` pairs the buffers by position, sending the
+shorter list with prefill's row sizes: decode reads metadata that is not
+what prefill wrote (or never gets the buffer it enabled), and both sides
+report Success. A difference comes from an optional buffer enabled on one
+engine only (KV checksum, sampling mask, DSA top-k seed).
+
+Here, on prefill:
+
+* the verdict is reached in ``check_peer_aux_buffer_count``, where stock
+  makes its check, from decode's buffer count and, when an ``-ext`` decode
+  published them (the pool-sizes frame, :mod:`.mooncake_peers`), its
+  row sizes (:mod:`..core.registration_check`). A pair that cannot be served
+  gets ONE error line at registration, naming the counts and sizes (in place of
+  stock's, which says the leading buffers are sent);
+* every request to a refused decode session is concluded Failed in
+  ``add_transfer_request`` before anything is queued for the engine, with
+  that reason; stock's status message carries it to every decode rank of the
+  room. No KV page and no metadata row of decode is written, and the session
+  is not marked failed: a decode that registers again with matching buffers
+  is served;
+* a stock decode (no row sizes published) is checked on the count only; where
+  the counts match it gets stock behaviour and one INFO line saying so.
+
+Needs 0.5.23's hooks (``check_peer_aux_buffer_count``, ``conclude_failure``, and
+those of :mod:`.mooncake_peers`); on a release without them the mixin changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin
+from sglang_disagg_ext.core.registration_check import aux_pairing_problem
+
+logger = logging.getLogger("sglang_disagg_ext.mooncake.registration")
+
+REFUSED_LINE = "refused at registration"
+
+
+class RegistrationCheckMixin(PeerPoolsMixin):
+    """Refuses a decode registration whose metadata buffers prefill cannot serve; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
+        process). The stock constructor starts prefill's bootstrap thread, which
+        may read a registration at once, so the tables exist before ``super()``.
+        """
+        # Written by the bootstrap thread; read by the scheduler thread and the
+        # transfer threads (single dict / set operations, no lock needed).
+        self._f9_refused = {}  # session -> reason
+        self._f9_count_only = set()  # stock decodes already told "count checked only"
+        super().__init__(*args, **kwargs)
+
+    # -- prefill: the verdict, once per registration -------------------------
+    def check_peer_aux_buffer_count(self, peer: str, num_remote: int) -> None:
+        """Refuse ``peer`` when its metadata buffers cannot be paired with prefill's.
+
+        Contract: prefill only, 0.5.23+: stock's ``_publish_peer_registration``
+        calls it on the bootstrap thread once per decode registration, after
+        the message was parsed and before the registration is published in
+        ``decode_kv_args_table`` (so before any request from that session is
+        read). ``num_remote`` is decode's buffer count (frame 5). Stock only
+        logs a difference; this replaces that line with the refusal (stock's
+        says the leading buffers are sent, which a refused session never
+        gets). Must not raise: the bootstrap thread would end.
+        """
+        # Noted from the registration frame before stock parsed it (PeerPoolsMixin).
+        bounds = self._peer_bounds.get(peer)
+        rows = None if bounds is None else bounds.aux_item_lens
+        try:
+            reason = aux_pairing_problem(self.kv_args.aux_item_lens, int(num_remote), rows)
+        except Exception:  # noqa: BLE001 - a check that cannot run leaves stock behaviour
+            logger.exception("decode session %s: metadata buffer check failed; stock behaviour", peer)
+            self._f9_refused.pop(peer, None)
+            return super().check_peer_aux_buffer_count(peer, num_remote)
+        if reason is None:
+            self._f9_refused.pop(peer, None)
+            if rows is None and peer not in self._f9_count_only:
+                self._f9_count_only.add(peer)
+                logger.info(
+                    "decode session %s published no metadata row sizes (a stock decode): only its buffer "
+                    "count (%d, as prefill's) was checked",
+                    peer,
+                    num_remote,
+                )
+            return None
+        self._f9_refused[peer] = reason
+        logger.error("decode session %s %s; every request to it ends Failed: %s", peer, REFUSED_LINE, reason)
+        return None
+
+    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
+        """Stock ``add_transfer_request``, unless a decode session of the room was refused.
+
+        Contract: prefill only, on the scheduler thread, once per chunk
+        (``MooncakeKVSender.send``) after the room reached WaitingForInput, so
+        ``transfer_infos[room]`` holds every decode rank's session. Stock
+        returns early for a Failed room and queues the chunk for a transfer
+        thread otherwise. A room with a refused session is concluded Failed
+        here (stock's ``conclude_failure``: reason recorded, status set, every
+        non-dummy decode rank told) and nothing is queued; later chunks of it
+        go to stock, which drops them. Must not raise: the scheduler thread
+        would die.
+        """
+        reason = self._f9_refusal(bootstrap_room)
+        if reason is None:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        # The session's one ERROR was logged at registration; SGLang's
+        # scheduler reports each failed request itself.
+        logger.debug("room %s refused: %s", bootstrap_room, reason)
+        metrics.count("requests_refused_total", fix="F9", reason="metadata buffers cannot be paired")
+        self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=reason)
+        return None
+
+    def _f9_refusal(self, room):
+        if not self._f9_refused:
+            return None
+        # .get: a transfer thread may pop the room concurrently.
+        infos = self.transfer_infos.get(room)
+        if not infos or self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+            return None  # stock returns early for these
+        for session, info in list(infos.items()):
+            reason = None if info.is_dummy else self._f9_refused.get(session)
+            if reason is not None:
+                return f"decode session {session}: {reason}"
+        return None
+
+    def send_aux(self, req, *args, **kwargs):
+        """Stock ``send_aux``, but ``-1`` and no write for a refused decode session.
+
+        Contract: prefill only. SGLang's ``transfer_worker`` thread calls it on a
+        room's last chunk, once per non-dummy decode rank, after that rank's KV
+        pages (and state) went out; its rc is that rank's poll (non-zero: the
+        worker concludes the room Failed for every rank). Requests of a refused
+        session never get here (``add_transfer_request``); this covers a chunk
+        queued before the session registered again with buffers prefill cannot
+        serve. Never raise: the worker re-raises and its thread dies.
+        """
+        if req.mooncake_session_id in self._f9_refused:
+            return -1
+        return super().send_aux(req, *args, **kwargs)

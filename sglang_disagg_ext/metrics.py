@@ -1,0 +1,98 @@
+"""Prometheus metrics of the plugin, on SGLang's own ``/metrics``.
+
+SGLang (``--enable-metrics``) points ``PROMETHEUS_MULTIPROC_DIR`` at one
+directory before it starts its scheduler processes, and its HTTP server serves
+``/metrics`` from a ``MultiProcessCollector`` over that directory. Metrics made
+here with ``prometheus_client``'s default registry in a scheduler process (where
+the managers and so the transfers live) are therefore written to that
+directory and served next to SGLang's own, with no server of their own.
+
+``prometheus_client`` picks its value store (in-process or the multiprocess
+directory) when it is first imported, so nothing here imports it before the
+first metric is touched: by then SGLang has set the directory. Without
+``prometheus_client`` every call is a no-op. A metric update never raises into
+the transfer path.
+
+Names (all prefixed ``sglang_disagg_ext_``):
+
+* ``info`` (gauge, 1): labels ``version``, ``backend`` (the ``-ext`` name),
+  ``sglang``, ``fixes`` (the fixes the plugin installs here).
+* ``state_trims_total``: F1 page-list trims, by ``component`` and ``kind``.
+* ``requests_refused_total``: requests ended before the engine, by ``fix`` and
+  ``reason`` (a short category, never request data).
+* ``transfer_failures_total``: requests the plugin ended Failed after their
+  transfer started, by ``fix`` and ``reason`` (F10: metadata never landed).
+* ``thread_recoveries_total``: transfer-path loops re-entered after an
+  exception (F8), by ``role`` and ``thread``.
+* ``retract_offloads_total``: F5 index-key offloads on retract.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, Optional, Tuple
+
+logger = logging.getLogger("sglang_disagg_ext.metrics")
+
+PREFIX = "sglang_disagg_ext_"
+
+# name -> (kind, help, label names)
+DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
+    "info": ("gauge", "sglang-disagg-ext is active in this process (value 1)", ("version", "backend", "sglang", "fixes")),
+    "state_trims_total": ("counter", "State page lists aligned by trimming the longer side (F1)", ("component", "kind")),
+    "requests_refused_total": ("counter", "Requests ended Failed before reaching the transfer engine", ("fix", "reason")),
+    "transfer_failures_total": (
+        "counter", "Requests the plugin ended Failed after the transfer started", ("fix", "reason")),
+    "thread_recoveries_total": (
+        "counter", "Transfer-path loops re-entered after an unexpected exception (F8)", ("role", "thread")),
+    "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
+}
+
+_mu = threading.Lock()
+_metrics: Dict[str, object] = {}
+_unavailable = False
+
+
+def _metric(name: str):
+    global _unavailable
+    with _mu:
+        if name in _metrics or _unavailable:
+            return _metrics.get(name)
+        try:
+            import prometheus_client
+        except ImportError:
+            _unavailable = True
+            return None
+        kind, doc, labels = DEFINITIONS[name]
+        # The prefix-less "_total" suffix is prometheus_client's for counters.
+        base = PREFIX + (name[: -len("_total")] if kind == "counter" else name)
+        if kind == "counter":
+            metric = prometheus_client.Counter(base, doc, labels)
+        else:
+            # Multiprocess mode: every live scheduler process says 1.
+            metric = prometheus_client.Gauge(base, doc, labels, multiprocess_mode="liveall")
+        _metrics[name] = metric
+        return metric
+
+
+def count(name: str, amount: float = 1.0, **labels: str) -> None:
+    """Add ``amount`` to counter ``name`` (see the module docstring); never raises."""
+    try:
+        metric = _metric(name)
+        if metric is None:
+            return
+        (metric.labels(**{k: str(v) for k, v in labels.items()}) if labels else metric).inc(amount)
+    except Exception:  # noqa: BLE001 - a metric must never fail a transfer
+        logger.debug("metric %s not updated", name, exc_info=True)
+
+
+def set_info(version: str, backend: Optional[str], sglang: Optional[str], fixes) -> None:
+    """The ``info`` gauge for this process (called once the ``-ext`` manager exists)."""
+    try:
+        metric = _metric("info")
+        if metric is not None:
+            metric.labels(version=version, backend=backend or "", sglang=sglang or "",
+                          fixes=",".join(fixes)).set(1)
+    except Exception:  # noqa: BLE001
+        logger.debug("info metric not set", exc_info=True)

@@ -1,0 +1,94 @@
+"""The plugin's Prometheus metrics: counted where transfers happen, served the way SGLang serves its own.
+
+The first test runs a real transfer (two harness processes, SGLang's managers,
+the real Mooncake engine over TCP, CPU pools) and reads each process's
+``sglang_disagg_ext_*`` metrics back with ``prometheus_client``'s parser; the
+expected counts are the ones the scenario implies, worked out by hand. The
+second shows the multiprocess path SGLang's ``/metrics`` uses: a child process
+with ``PROMETHEUS_MULTIPROC_DIR`` set counts, and a ``MultiProcessCollector``
+over that directory (what SGLang's HTTP server builds) reports it.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglang_disagg_ext import __version__, releases
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.harness.scenario import with_state
+from sglang_disagg_ext.selftest.scenarios.isolation import SCENARIOS as ISOLATION
+
+POLICY = releases.current_policy()
+STATE_CLASSES = POLICY.is_live("F1") or POLICY.is_live("F2")
+
+
+def _samples(text: str):
+    """{(sample name, sorted labels): value} from Prometheus text."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _info(samples, backend: str):
+    fixes = ",".join(POLICY.active_fixes())
+    key = ("sglang_disagg_ext_info", tuple(sorted(
+        {"version": __version__, "backend": backend, "sglang": POLICY.version, "fixes": fixes}.items())))
+    return samples.get(key)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not POLICY.routes("mooncake"), reason=f"mooncake-ext is stock on SGLang {POLICY.version}")
+def test_a_real_transfer_exports_what_it_did():
+    if STATE_CLASSES:
+        # Prefill sends 5 SWA pages, decode allocated 3: the plugin trims once, on prefill.
+        result = run_scenario(with_state("metrics: one trim", "swa", [1, 2, 3, 4, 5], [6, 7, 8]), "mooncake-ext")
+        assert result.ok, result.describe()
+        want = ("sglang_disagg_ext_state_trims_total", (("component", "0"), ("kind", "swa")))
+    else:
+        # F6: one request with a KV page outside decode's pool, refused on prefill; three good ones.
+        builtin = ISOLATION[0]
+        result = run_scenario(builtin.build(POLICY), "mooncake-ext")
+        assert builtin.evaluate(result), result.describe()
+        want = ("sglang_disagg_ext_requests_refused_total", (("fix", "F6"), ("reason", "kv index out of pool")))
+    prefill = _samples(result.plugin_metrics["prefill"])
+    decode = _samples(result.plugin_metrics["decode"])
+    assert prefill.get(want) == 1.0, result.plugin_metrics["prefill"]
+    assert want not in decode, result.plugin_metrics["decode"]
+    # Nothing else counted: no refusal, recovery or trim beyond the one implied.
+    counted = {k: v for k, v in prefill.items() if k[0].endswith("_total") and v}
+    assert counted == {want: 1.0}, counted
+    for side in (prefill, decode):
+        assert _info(side, "mooncake-ext") == 1.0, side
+
+
+_CHILD = """
+from sglang_disagg_ext import metrics
+metrics.count("state_trims_total", component=0, kind="swa")
+metrics.count("state_trims_total", component=0, kind="swa")
+metrics.count("thread_recoveries_total", role="prefill", thread="transfer_worker")
+metrics.set_info("1.2.3", "mooncake-ext", "0.5.x", ["F6", "F7"])
+"""
+
+
+@pytest.mark.timeout(60)
+def test_counts_reach_the_multiprocess_directory_sglang_serves(tmp_path):
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-2000:]
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    samples = _samples(generate_latest(registry).decode())
+    assert samples[("sglang_disagg_ext_state_trims_total", (("component", "0"), ("kind", "swa")))] == 2.0
+    assert samples[("sglang_disagg_ext_thread_recoveries_total",
+                    (("role", "prefill"), ("thread", "transfer_worker")))] == 1.0
+    info = [v for (name, labels), v in samples.items() if name == "sglang_disagg_ext_info"]
+    assert info == [1.0], samples
+    assert any(dict(labels).get("fixes") == "F6,F7" for (name, labels) in samples if name == "sglang_disagg_ext_info")

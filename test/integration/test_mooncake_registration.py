@@ -1,0 +1,87 @@
+"""F9 on the real Mooncake engine (TCP, 127.0.0.1): a decode whose metadata buffers differ is refused at registration.
+
+Each scenario (``selftest.scenarios.registration``) runs two requests through
+the transfer harness: two processes, SGLang's real bootstrap server,
+managers, senders and receivers, CPU tensors as pools, a real Mooncake
+TransferEngine; decode checks every destination page and row byte for byte
+and that every other one still holds its sentinel.
+
+Injection: the harness builds SGLang's own ``MetadataBuffers`` on one side
+with ``kv_checksum_enabled=True`` (``Scenario.kv_checksum_on``), exactly the
+argument the scheduler passes for ``--disaggregation-enable-kv-checksum``:
+that side registers one more metadata buffer. Nothing in SGLang or the
+plugin is replaced.
+"""
+
+import pytest
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
+from sglang_disagg_ext.selftest.scenarios.registration import (
+    REFUSALS,
+    SCENARIOS,
+    STOCK_DECODE_REFUSAL,
+    checksum_on,
+    refusal_problem,
+)
+
+pytestmark = pytest.mark.engine
+
+POLICY = releases.current_policy()
+live_only = pytest.mark.skipif(not POLICY.is_live("F9"), reason=f"F9 is not live on SGLang {POLICY.version}")
+REFUSED_LINE = "refused at registration; every request to it ends Failed"
+COUNT_ONLY_LINE = (
+    "published no metadata row sizes (a stock decode): only its buffer count (10, as prefill's) was checked"
+)
+
+
+@live_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=["decode+1", "decode-1"])
+def test_stock_serves_mismatched_metadata_ext_refuses_at_registration(builtin):
+    """Stock: one ERROR at registration, then both requests Success with the metadata paired
+    by position (decode's checksum row, when decode has one, never written). Ext: one ERROR at
+    registration naming both counts and the row sizes; each request Failed on both sides
+    within the bound with that reason; no KV page and no metadata row of decode written."""
+    stock = run_scenario(builtin.build(POLICY), "mooncake")
+    why = builtin.stock_signature(stock, POLICY)
+    assert why is None, f"stock did not show the live bug's shape: {why}\n{stock.describe()}"
+    assert not builtin.evaluate(stock)
+
+    ext = run_scenario(builtin.build(POLICY), "mooncake-ext")
+    side = builtin.build(POLICY).kv_checksum_on
+    problem = refusal_problem(ext, REFUSALS[side])
+    assert problem is None, f"{problem}\n{ext.describe()}"
+    assert builtin.evaluate(ext)
+    # One error for the session, at registration; stock's "only the first 10
+    # are transferred" line is replaced (that is no longer what happens).
+    assert ext.prefill_log_tail.count(REFUSED_LINE) == 1, ext.prefill_log_tail
+    assert "only the first 10 are transferred" not in ext.prefill_log_tail
+
+
+@live_only
+@pytest.mark.timeout(300)
+def test_stock_decode_with_one_more_buffer_is_refused_on_the_count():
+    """Ext prefill, stock decode with the checksum buffer: the count (stock frame 5) is enough
+    to refuse; the reason says decode's row sizes are unknown."""
+    result = run_scenario(checksum_on("decode"), "mooncake-ext", decode_backend="mooncake")
+    assert result.decode_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), result.describe()
+    problem = refusal_problem(result, STOCK_DECODE_REFUSAL)
+    assert problem is None, f"{problem}\n{result.describe()}"
+
+
+@live_only
+@pytest.mark.timeout(300)
+def test_matching_stock_decode_is_served_with_one_line():
+    """Ext prefill, stock decode, same buffers: served as in stock, byte for byte, and one INFO
+    line says only the count could be checked."""
+    scn = Scenario(
+        name="same metadata buffers, stock decode",
+        requests=[RequestSpec([1, 2], [3, 4], aux_index=1, dst_aux_index=2), RequestSpec([5], [6], aux_index=3)],
+        kv=KVPoolSpec(num_pages=8),
+    )
+    result = run_scenario(scn, "mooncake-ext", decode_backend="mooncake")
+    assert result.ok, result.describe()
+    assert sum(COUNT_ONLY_LINE in x for x in result.plugin_log["prefill"]) == 1, result.plugin_log["prefill"]
+    assert REFUSED_LINE not in result.prefill_log_tail
