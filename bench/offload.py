@@ -11,7 +11,8 @@ A benchmark, not a test. For one retracted request it times
   ``copy_``,
 * **memcpy**: the same, into a preallocated host tensor (the bandwidth bound),
 
-interleaved (ext, plain, memcpy, ext, ...) and reports the medians and the
+interleaved (ext, plain, memcpy, then plain, memcpy, ext, then memcpy, ext, plain, ...: the
+order rotates so no variant always runs right after the same other one) and reports the medians and the
 throughput ratios ext/plain and ext/memcpy from the same run. It also measures the peak extra
 memory of one ext offload + restore: everything allocated beyond the host copy
 it returns (CUDA: ``torch.cuda.max_memory_allocated`` on the pool's device; CPU:
@@ -101,6 +102,9 @@ def measure_offload(
     # The plain copies: the same bytes, contiguous, per layer.
     src = [torch.randint(0, 256, (request_pages, row_bytes), generator=gen, dtype=torch.uint8).to(device)
            for _ in range(layer_num)]
+    # memcpy gets a source of its own: with a shared one, plain's source would be warmed by memcpy too,
+    # while ext's (the pool) is touched by ext alone.
+    memcpy_src = [s.clone() for s in src]
     host = [torch.empty(request_pages, row_bytes, dtype=torch.uint8) for _ in range(layer_num)]
 
     def ext_round_trip():
@@ -118,10 +122,10 @@ def measure_offload(
         _sync(device)
 
     def memcpy_round_trip():
-        for s, h in zip(src, host):
+        for s, h in zip(memcpy_src, host):
             h.copy_(s)
         _sync(device)
-        for s, h in zip(src, host):
+        for s, h in zip(memcpy_src, host):
             s.copy_(h)
         _sync(device)
 
@@ -136,10 +140,13 @@ def measure_offload(
     runs = {"ext": ext_round_trip, "plain": plain_round_trip, "memcpy": memcpy_round_trip}
     for fn in runs.values():  # warm-up
         fn()
-    for _ in range(repeats):
-        for name, fn in runs.items():
+    names = list(runs)
+    for rep in range(repeats):
+        # Rotate which variant goes first: each one then follows each other equally often, so none
+        # always runs on memory (host pages, cache lines) that the one before it just freed or warmed.
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            runs[name]()
             timings[name].append(time.perf_counter() - t0)
     ext_med, plain_med, memcpy_med = (statistics.median(timings[k]) for k in ("ext", "plain", "memcpy"))
 

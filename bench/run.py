@@ -1,7 +1,11 @@
-"""``make bench``: every figure of issue #8 in one run, as ratios measured side by side.
+"""``make bench``: every figure of issues #8 and #18 in one run, measured side by side.
 
-    python -m bench.run            # full run (about 10-15 minutes on 2 shared cores)
-    python -m bench.run --quick    # tiny sizes, a smoke run (about 2 minutes)
+    python -m bench.run            # full run (about 30-40 minutes on 2 shared cores: 31 pairs a case)
+    python -m bench.run --quick    # tiny sizes, 5 pairs a case, a smoke run (about 1-2 minutes)
+
+Items 1, 2, 6 and 7 (the Mooncake transfer path) run on every release where
+``mooncake-ext`` has a live fix; items 3 and 4 measure F4 / F5 code and say
+``n/a: upstream on this release`` where those fixes are upstream (0.5.13+).
 
 Prints one table (item, case, stock/raw, ext, ratio, target, met?) and the
 machine (cores, CPU model, load average at start and end), writes
@@ -21,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from bench import results as res
 from bench import shapes
+from bench.stats import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_GPU = "GPU rows: not measured, no GPU"
@@ -78,6 +83,40 @@ def _row(item: str, key: str, r: Dict[str, Any], baseline: str, ext: str, case: 
             "target": res.target_text(key), "met": res.verdict(key, r["ratio"], r.get("ratio_q1"), r.get("ratio_q3"))}
 
 
+def _na_row(item: str, why: str = res.NA_UPSTREAM) -> Dict:
+    return {"item": item, "case": "-", "baseline": "-", "ext": "-", "ratio": why, "target": "-", "met": "-"}
+
+
+# Fixes of the newest releases whose cost item 7 reports, with what they do per request.
+FIX_TITLES = {"F6": "bounds check of decode indices", "F7": "state layer pairing",
+              "F9": "registration refusal check", "base": "state-failure plumbing (send_aux)"}
+
+
+def cpu_rows(transfer: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``ext_cpu_overhead``: per case, the median added CPU per request (us), the fastest stock
+    per-request transfer time of the case's pairs (us; the least load-inflated, so the fraction
+    is the largest the samples allow) and added / transfer."""
+    out = []
+    for r in transfer:
+        added = median(r["cpu"]["added_us"])
+        t = min(r["samples_s"]["stock"]) * 1e6
+        out.append({"case": r["case"], "added_cpu_us": added, "transfer_us": t, "fraction": added / t})
+    return out
+
+
+def fix_rows(transfer: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``fix_cpu_overhead``: per case and fix with frames on this release, that fix's own CPU per
+    request, the stock CPU of the methods it stands in front of (stock manager, same transfer)."""
+    out = []
+    for r in transfer:
+        t = min(r["samples_s"]["stock"]) * 1e6
+        for fix, samples in sorted(r["cpu"]["by_fix_us"].items()):
+            added = median(samples)
+            out.append({"case": r["case"], "fix": fix, "added_cpu_us": added,
+                        "stock_cpu_us": res.fix_stock_cpu(r["cpu"], fix), "transfer_us": t, "fraction": added / t})
+    return out
+
+
 def run(args) -> Dict[str, Any]:
     import torch
 
@@ -96,7 +135,8 @@ def run(args) -> Dict[str, Any]:
         "machine": machine_info(),
         "load_average_start": _load(),
         "gpu": _gpu() or NO_GPU,
-        "units": {"ratio": "dimensionless", "*_s": "seconds", "*_ms": "milliseconds", "*_GBps": "1e9 bytes/s",
+        "units": {"ratio": "dimensionless", "fraction": "dimensionless", "*_s": "seconds", "*_ms": "milliseconds",
+                  "*_us": "microseconds (CPU: thread CPU time per request)", "*_GBps": "1e9 bytes/s",
                   "bytes*": "bytes", "plugin_load_ms": "milliseconds added to load_plugins() (server process)"},
         "targets": {k: res.target_text(k) for k in res.RATIO_KEYS},
         "details": {},
@@ -113,14 +153,28 @@ def run(args) -> Dict[str, Any]:
     with TransferBench(plan, per_component, max_seconds=args.max_seconds) as tb:
         log(f"transfer workers up ({time.monotonic() - started:.0f} s): {tb.info['prefill']['managers']}")
         for case in plan.cases():
-            r = tb.run_case(case, plan.repeats)
+            r = tb.run_case(case, plan.repeats, plan.cpu_repeats)
             transfer.append(r)
-            log(f"  1 {r['case']}: stock {_ms(r['stock_s'])} ext {_ms(r['ext_s'])} ratio {_ratio_text(r)}")
+            c = r["cpu"]
+            log(f"  1 {r['case']}: stock {_ms(r['stock_s'])} ext {_ms(r['ext_s'])} ratio {_ratio_text(r)}; "
+                f"added CPU {median(c['added_us']):.1f} us/req, engine calls "
+                f"{'identical' if c['engine_calls_identical'] else 'DIFFER'}")
         for pages in plan.goodput_pages:
             r = tb.goodput(pages, plan.goodput_repeats)
             goodput.append(r)
             log(f"  2 {r['case']}: ext {r['ext_GBps']:.2f} GB/s raw {r['raw_GBps']:.2f} GB/s ratio {_ratio_text(r)}")
     out["details"]["transfer"] = transfer
+    out["details"]["cpu_method"] = {
+        "clock": "time.thread_time_ns per thread, exclusive per frame (a frame's calls into other traced frames "
+                 "are charged to those), summed over the prefill worker's threads",
+        "added": "frames of the plugin's classes on the ext manager: every per-request method they override "
+                 "(details.transfer[].cpu.traced_labels.plugin); stock's methods and the engine's transfer calls "
+                 "are their own frames, so excluded",
+        "not_traced": "F8's per-chunk queue/socket wrappers (one attribute write per chunk or message)",
+        "samples": "traced pairs run after the wall-clock pairs; tracing is never on in a timed pair",
+        "tracer_ns_per_frame": tb.info["prefill"].get("tracer_ns_per_frame"),
+        "transfer_us": "the fastest stock per-request transfer time among the case's wall-clock pairs",
+    }
     out["details"]["goodput"] = goodput
     out["details"]["transfer_shapes"] = {
         "page_size": shapes.PAGE_SIZE, "kv": f"{shapes.KV_LAYERS} layers x K,V x {shapes.KV_HEADS} head x "
@@ -137,11 +191,44 @@ def run(args) -> Dict[str, Any]:
                          f"{r['ext_GBps']:.2f} GB/s, {d['ext']} desc",
                          case=f"{r['case']} ({r['bytes'] / 2**20:.1f} MiB; per-page {d['raw_per_page']} desc)"))
 
-    # Item 3: head-slice descriptors, stock vs ext, same inputs.
+    # Items 6 and 7: the CPU the -ext send path adds per request (engine excluded), next to the
+    # transfer's time; per fix of this release against stock's methods on the same transfer.
+    cpu = cpu_rows(transfer)
+    fixes = fix_rows(transfer)
+    by_case = {r["case"]: r for r in transfer}
+    for row in cpu:
+        d = by_case[row["case"]]
+        e = d["cpu"]["engine_calls"]
+        same = "same" if d["cpu"]["engine_calls_identical"] else "DIFFERENT"
+        judged = d["tokens"] == res.CPU_TARGET_TOKENS and d["concurrency"] == 1
+        rows.append({"item": "6 added CPU", "case": row["case"],
+                     "baseline": f"{row['transfer_us']:.0f} us transfer; {e['stock']['descriptors']} desc",
+                     "ext": f"+{row['added_cpu_us']:.1f} us CPU; {e['ext']['descriptors']} desc, {same}",
+                     "ratio": f"{row['fraction'] * 100:.3f}%",
+                     "target": f"<= {res.CPU_TARGET * 100:g}%" if judged else "-",
+                     "met": res.cpu_verdict(d["tokens"], d["concurrency"], row["fraction"])})
+    shown = [c.name for c in plan.cases() if c.tokens == res.CPU_TARGET_TOKENS and c.concurrency == 1]
+    for fix in ("F6", "F7"):
+        if not policy.is_live(fix):
+            rows.append(_na_row(f"7 {fix} cost", f"n/a: {fix} not in this release"))
+    for row in fixes:
+        if row["case"] not in shown:
+            continue
+        methods = "+".join(res.fix_methods(by_case[row["case"]]["cpu"], row["fix"]))
+        rows.append({"item": f"7 {row['fix']} cost", "case": f"{row['case']}: {FIX_TITLES.get(row['fix'], '')}",
+                     "baseline": f"stock {methods} {row['stock_cpu_us']:.1f} us CPU",
+                     "ext": f"+{row['added_cpu_us']:.1f} us CPU", "ratio": f"{row['fraction'] * 100:.3f}%",
+                     "target": "-", "met": "-"})
+    out["ext_cpu_overhead"] = cpu
+    out["fix_cpu_overhead"] = fixes
+
+    # Item 3: head-slice descriptors, stock vs ext, same inputs (F4 code).
     from bench import head_slice
 
-    slices = []
-    for case in head_slice.default_cases(quick=args.quick):
+    slices = [] if policy.is_live("F4") else None
+    if slices is None:
+        rows.append(_na_row("3 head slice"))
+    for case in head_slice.default_cases(quick=args.quick) if slices is not None else []:
         r = head_slice.measure(case, repeats=2 if args.quick else 7)
         slices.append(r)
         log(f"  3 {r['case']}: stock {_ms(r['stock_s'])} ext {_ms(r['ext_s'])} ({r['descriptors']} desc)")
@@ -149,12 +236,16 @@ def run(args) -> Dict[str, Any]:
                          case=f"{r['case']}, {r['descriptors']} desc"))
     out["details"]["head_slice"] = slices
 
-    # Item 4: NSA index-key offload/restore vs a plain copy (bench.offload).
-    from bench import offload
+    # Item 4: NSA index-key offload/restore vs a plain copy (bench.offload, F5 code).
+    off = [] if policy.is_live("F5") else None
+    if off is None:
+        rows.append(_na_row("4 offload"))
+        devices, cases = [], []
+    else:
+        from bench import offload
 
-    devices = ["cpu"] + (["cuda"] if _gpu() else [])
-    cases = offload.DEFAULT_CASES[:1] if args.quick else offload.DEFAULT_CASES
-    off = []
+        devices = ["cpu"] + (["cuda"] if _gpu() else [])
+        cases = offload.DEFAULT_CASES[:1] if args.quick else offload.DEFAULT_CASES
     for device in devices:
         for case in cases:
             if args.quick:
@@ -189,14 +280,16 @@ def run(args) -> Dict[str, Any]:
 
     out["ext_over_stock"] = res.ratio_list(transfer)
     out["goodput_over_raw"] = res.ratio_list(goodput)
-    out["slice_build_over_stock"] = res.ratio_list(slices)
-    out["offload_over_copy"] = res.ratio_list(off)
+    out["slice_build_over_stock"] = res.ratio_list(slices) if slices is not None else res.NA_UPSTREAM
+    out["offload_over_copy"] = res.ratio_list(off) if off is not None else res.NA_UPSTREAM
     out["load_average_end"] = _load()
     out["wall_seconds"] = round(time.monotonic() - started, 1)
     out["table"] = rows
     if not _gpu():
         out["gpu_rows"] = NO_GPU
+    out["fixes_live"] = [f for f in releases.FIXES if policy.is_live(f)]
     res.validate(out)
+    res.check_samples(out)
     return out
 
 
@@ -210,14 +303,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from sglang_disagg_ext import releases
 
+    from sglang_disagg_ext.backends.mooncake import ext_classes
+
     policy = releases.current_policy()
-    if not policy.is_live("F5"):
-        # Items 3-4 measure F4/F5 code and items 1-2 the -ext transfer path as it is
-        # on releases with F1-F5; where those are upstream (0.5.13+) there is no such
-        # code to compare with stock.
-        print(f"bench: SGLang {policy.version} ({policy.support.value}) already has the fixes this bench measures "
-              f"(F1-F5 upstream); there is nothing to compare. Run it on a release with F1-F5 live, e.g. "
-              f"make bench SGLANG=0.5.12.post1", file=sys.stderr)
+    if not ext_classes(policy):
+        # Items 1, 2, 6, 7 compare the -ext Mooncake manager with stock's: where
+        # mooncake-ext is a pure pass-through there is nothing to compare.
+        print(f"bench: SGLang {policy.version} ({policy.support.value}): mooncake-ext is a pass-through here "
+              f"(no fix of it is live); there is nothing to compare. Run it on a release with a live fix, e.g. "
+              f"make bench SGLANG=0.5.23", file=sys.stderr)
         return 2
     out = run(args)
     with open(args.out + ".tmp", "w") as f:
@@ -237,8 +331,12 @@ def main(argv=None) -> int:
           f"{out['load_average_start']} at start, {out['load_average_end']} at end; SGLang {out['sglang']}; "
           f"{out['wall_seconds']:.0f} s")
     print(out.get("gpu_rows") or f"GPU: {out['gpu']} (offload rows marked [GPU]; items 1-2 run on CPU pools)")
-    print(f"ratio: median over interleaved back-to-back pairs [lower-upper quartile]; met? 'noise' = the target "
-          f"lies within that range. Wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    print(f"ratio: median over interleaved back-to-back pairs [lower-upper quartile]; met? 'no verdict' = the "
+          f"target lies within that range. Item 6: thread CPU time of the plugin's frames on the prefill send "
+          f"path per request (median of {out['details']['transfer'][0]['cpu_repeats']} traced pairs; stock and "
+          f"engine frames excluded) over the fastest stock per-request transfer time; 'same' = stock and ext handed "
+          f"the engine identical (buffer, offset, length) lists. Wrote {args.out}"
+          + (f" and {args.png}" if args.png else ""))
     return 0
 
 

@@ -111,6 +111,7 @@ class Plan:
     repeats: int
     goodput_pages: Tuple[int, ...]
     goodput_repeats: int
+    cpu_repeats: int = 3  # traced pairs per case (CPU time of the send path, engine calls)
 
     def cases(self) -> List[TransferCase]:
         out = []
@@ -141,18 +142,20 @@ FULL = Plan(
     token_sweep=(1024, 2048, 8192, 32768, 131072),
     concurrency_sweep=(1, 4, 16, 64),
     concurrency_tokens=2048,
-    repeats=9,
+    repeats=31,  # wall-clock pairs per case: quartiles from 31 ratios
     goodput_pages=(32, 256, 2048),
     goodput_repeats=11,
+    cpu_repeats=11,
 )
 
 QUICK = Plan(
-    token_sweep=(1024, 4096),
+    token_sweep=(1024, 8192),  # 8K: where the added-CPU target is judged
     concurrency_sweep=(1, 4),
     concurrency_tokens=1024,
-    repeats=2,
+    repeats=5,
     goodput_pages=(16,),
     goodput_repeats=2,
+    cpu_repeats=3,
 )
 
 

@@ -64,6 +64,14 @@ def ratio(numerator: float, denominator: float) -> float:
     return float(numerator) / float(denominator)
 
 
+def quartiles(values: Sequence[float]) -> Dict[str, float]:
+    """Median and lower / upper quartile (inclusive method) of the samples."""
+    xs = sorted(float(v) for v in values)
+    median(xs)  # refuses empty or non-finite samples by name
+    if len(xs) == 1:
+        return {"median": xs[0], "q1": xs[0], "q3": xs[0]}
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2]}
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> Dict[str, float]:
@@ -74,8 +82,4 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> D
     both samples of a pair ran back to back."""
     if len(numerator) != len(denominator) or not numerator:
         raise ValueError(f"need equally many samples on both sides, got {len(numerator)} and {len(denominator)}")
-    rs = sorted(ratio(n, d) for n, d in zip(numerator, denominator))
-    if len(rs) == 1:
-        return {"median": rs[0], "q1": rs[0], "q3": rs[0]}
-    q = statistics.quantiles(rs, n=4, method="inclusive")
-    return {"median": statistics.median(rs), "q1": q[0], "q3": q[2]}
+    return quartiles([ratio(n, d) for n, d in zip(numerator, denominator)])

@@ -190,19 +190,23 @@ class TransferBench:
             self.run_dir = None
 
     # -- item 1 -------------------------------------------------------------------------
-    def sample(self, variant: str, case: shapes.TransferCase, pages: Dict[str, Any], verify: bool = False) -> Dict:
-        """One batch of ``case`` through ``variant``'s managers; returns prefill's timings."""
+    def sample(self, variant: str, case: shapes.TransferCase, pages: Dict[str, Any], verify: bool = False,
+               trace: bool = False) -> Dict:
+        """One batch of ``case`` through ``variant``'s managers; returns prefill's timings
+        (and, with ``trace``, its send path's CPU time by frame and its engine calls)."""
         rooms = list(range(self.room, self.room + case.concurrency))
         self.room += case.concurrency
         common = {"variant": variant, "rooms": rooms, "aux": pages["aux"]}
         self._call("decode", {"op": "recv", "dst_kv": pages["dst_kv"], "dst_state": pages["dst_state"], **common})
         sent = self._call("prefill", {"op": "send", "src_kv": pages["src_kv"], "src_state": pages["src_state"],
-                                      **common})
+                                      "trace": trace, **common})
         fin = {"op": "finish", "variant": variant, "verify": pages if verify else None}
         self._call("decode", fin, timeout=REPLY_TIMEOUT_S * (4 if verify else 1))
         return sent
 
-    def run_case(self, case: shapes.TransferCase, repeats: int) -> Dict[str, Any]:
+    def run_case(self, case: shapes.TransferCase, repeats: int, cpu_repeats: int = 3) -> Dict[str, Any]:
+        """Wall-clock pairs (untraced), then ``cpu_repeats`` traced pairs (CPU time of the
+        send path, engine calls): tracing wraps methods, so it never runs in a timed pair."""
         pages = shapes.batch_pages(case, self.pool, self.components)
         for v in ("stock", "ext"):  # warm-up, and every byte of it checked
             self.sample(v, case, pages, verify=True)
@@ -212,6 +216,10 @@ class TransferBench:
             r = self.sample(v, case, pages)
             per_req[v].append(r["makespan_s"] / case.concurrency)
             lat[v].append(median(r["latencies_s"]))
+        traces: Dict[str, List[Dict[str, Any]]] = {"stock": [], "ext": []}
+        for _, v in interleaved_order(["stock", "ext"], cpu_repeats):
+            traces[v].append(self.sample(v, case, pages, trace=True)["trace"])
+        cpu = cpu_breakdown(traces, case.concurrency)
         stock, ext = median(per_req["stock"]), median(per_req["ext"])
         paired = paired_ratios(per_req["ext"], per_req["stock"])
         bytes_per_req = case.kv_pages() * shapes.kv_page_bytes()
@@ -236,8 +244,10 @@ class TransferBench:
             "bytes_per_request": bytes_per_req,
             "descriptors_per_request": descs,
             "repeats": repeats,
+            "cpu_repeats": cpu_repeats,
             "samples_s": per_req,
             "verified": True,
+            "cpu": cpu,
         }
 
     # -- item 2 -------------------------------------------------------------------------
@@ -270,3 +280,69 @@ class TransferBench:
             "engine_calls": r["engine_calls"],
             "repeats": repeats,
         }
+
+
+def cpu_breakdown(traces: Dict[str, List[Dict[str, Any]]], concurrency: int) -> Dict[str, Any]:
+    """Per-request thread CPU time of the prefill send path from traced samples.
+
+    ``traces[variant]``: the worker's ``trace`` replies (``ns`` keyed
+    ``"variant|label"``; a label is ``"<fix> Class.method"`` for the plugin's
+    frames, ``"stock Class.method"`` for stock's and ``"engine"`` for the
+    engine's transfer calls, each exclusive of the frames it calls). Returns the
+    per-sample figures in microseconds per request: ``added_us`` (the plugin's
+    frames on the ext manager: what ext spends beyond stock), ``stock_us``
+    (stock frames, engine excluded) and ``engine_us`` on each manager,
+    ``by_fix_us`` (plugin frames grouped by fix), ``stock_by_method_us`` (stock
+    frames by method, on the stock manager), and the engine-call proof: the
+    normalised descriptor lists' digest, counts and bytes per variant, and
+    whether every traced sample of both variants handed the engine the same.
+    """
+    per = 1e3 * concurrency  # ns per batch -> us per request
+
+    def frames(trace: Dict[str, Any], variant: str) -> float:
+        return sum(n for k, n in trace["frames"].items()
+                   if k.split("|", 1)[0] == variant and k.split("|", 1)[1].split(" ", 1)[0] not in ("stock", "engine")
+                   ) / concurrency
+
+    def split(trace: Dict[str, Any], variant: str) -> Dict[str, Any]:
+        plugin, stock, engine = 0, 0, 0
+        by_fix: Dict[str, float] = {}
+        by_stock: Dict[str, float] = {}
+        for key, ns in trace["ns"].items():
+            v, label = key.split("|", 1)
+            if v != variant:
+                continue
+            if label == "engine":
+                engine += ns
+            elif label.startswith("stock "):
+                stock += ns
+                method = label.rsplit(".", 1)[-1]
+                by_stock[method] = by_stock.get(method, 0.0) + ns / per
+            else:
+                plugin += ns
+                fix = label.split(" ", 1)[0]
+                by_fix[fix] = by_fix.get(fix, 0.0) + ns / per
+        return {"plugin_us": plugin / per, "stock_us": stock / per, "engine_us": engine / per,
+                "by_fix_us": by_fix, "stock_by_method_us": by_stock}
+
+    rows = {v: [split(t, v) for t in ts] for v, ts in traces.items()}
+    engine = {v: [t["engine"] for t in ts] for v, ts in traces.items()}
+    digests = {e["sha256"] for es in engine.values() for e in es}
+    fixes = sorted({f for r in rows["ext"] for f in r["by_fix_us"]})
+    methods = sorted({m for r in rows["stock"] for m in r["stock_by_method_us"]})
+    return {
+        "added_us": [r["plugin_us"] for r in rows["ext"]],
+        "ext_stock_us": [r["stock_us"] for r in rows["ext"]],
+        "stock_stock_us": [r["stock_us"] for r in rows["stock"]],
+        "ext_engine_us": [r["engine_us"] for r in rows["ext"]],
+        "stock_engine_us": [r["engine_us"] for r in rows["stock"]],
+        "stock_plugin_us": [r["plugin_us"] for r in rows["stock"]],  # 0: no plugin frame on stock
+        "by_fix_us": {f: [r["by_fix_us"].get(f, 0.0) for r in rows["ext"]] for f in fixes},
+        "stock_by_method_us": {m: [r["stock_by_method_us"].get(m, 0.0) for r in rows["stock"]] for m in methods},
+        "plugin_frames_per_request": [frames(t, "ext") for t in traces["ext"]],
+        "engine_calls": {v: es[0] for v, es in engine.items()},
+        "engine_calls_identical": len(digests) == 1,
+        "traced_labels": traces["ext"][0]["labels"],
+        "decode_bounds_known": traces["ext"][0].get("decode_bounds_known"),
+        "clock": "time.thread_time_ns, exclusive per frame, summed over threads",
+    }

@@ -21,6 +21,13 @@ one Mooncake engine as SGLang's managers do. The parent sends commands over a
   every transferred byte, clear;
 * prefill ``goodput``: item 2 (see :meth:`Worker.goodput`).
 
+A ``send`` with ``"trace": true`` also measures, per variant, the thread CPU
+time of the prefill send path split into the plugin's own frames and stock's
+(see :class:`CpuTracer`, :meth:`Worker._trace_on`), and records every engine
+call with its descriptors normalised to (buffer, offset), so that the parent
+can show stock and ext hand the engine the same lists. Tracing is installed
+only for that one send: untraced (wall-clock) samples run unwrapped code.
+
 Every wait has a deadline; the process ends with ``os._exit`` (engine threads
 would keep it open) and watches its parent (``harness.worker._start_watchdog``).
 """
@@ -28,11 +35,17 @@ would keep it open) and watches its parent (``harness.worker._start_watchdog``).
 from __future__ import annotations
 
 import argparse
+import bisect
+import collections
+import functools
+import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
+import types
 from multiprocessing.connection import Client
 from types import SimpleNamespace
 from typing import Any, Dict, List
@@ -41,6 +54,203 @@ VARIANTS = ("stock", "ext")
 POLL_SLEEP_S = 0.0001
 FINAL = ("Success", "Failed")
 FILL_CHUNK_PAGES = 128  # pattern generation works on uint64: bound its scratch memory
+
+
+# Plugin methods that are long-lived loops or start-up only: never per request.
+NOT_PER_REQUEST = frozenset({"__init__", "transfer_worker", "start_prefill_thread", "start_decode_thread",
+                             "_make_worker_recv", "build_receiver_registration_message",
+                             "check_peer_aux_buffer_count"})
+# Stock methods the plugin's frames call into, besides the ones they override.
+STOCK_CALLEES = ("_send_kvcache_generic", "_transfer_data", "maybe_send_extra", "send_aux",
+                 "add_transfer_request", "get_mha_kv_ptrs_with_pp", "record_failure")
+ENGINE_METHODS = ("batch_transfer_sync", "transfer_sync")
+ENGINE_LABEL = "engine"
+
+
+class CpuTracer:
+    """Exclusive thread CPU time (``time.thread_time_ns``) of labelled frames.
+
+    A frame is one call of a wrapped function, keyed ``(variant, label)``; the
+    time it spends inside other wrapped frames is charged to those, so the
+    labels add up without double counting. Time outside every wrapped frame
+    is not counted. Each thread keeps its own stack (the scheduler thread
+    calls ``add_transfer_request``; the transfer threads the rest). CPU time,
+    not wall time: a loaded machine stretches waits, not the CPU a frame uses.
+    Pure Python: no SGLang import.
+    """
+
+    def __init__(self, clock=time.thread_time_ns):
+        self.clock = clock
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self.ns: collections.Counter = collections.Counter()
+        self.frames: collections.Counter = collections.Counter()
+        self._patches: List[tuple] = []
+
+    # -- accounting ---------------------------------------------------------------------------
+    def _enter(self, key) -> None:
+        tls = self._tls
+        stack = getattr(tls, "stack", None)
+        if stack is None:
+            stack = tls.stack = []
+        now = self.clock()
+        if stack:
+            self._charge(stack[-1], now - tls.t)
+        stack.append(key)
+        tls.t = now
+
+    def _exit(self) -> None:
+        tls = self._tls
+        now = self.clock()
+        key = tls.stack.pop()
+        self._charge(key, now - tls.t, frame=True)
+        tls.t = now
+
+    def _charge(self, key, ns: int, frame: bool = False) -> None:
+        with self._lock:
+            self.ns[key] += ns
+            if frame:
+                self.frames[key] += 1
+
+    def frame(self, key, fn, *args, **kwargs):
+        self._enter(key)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._exit()
+
+    def take(self) -> Dict[str, Dict[str, int]]:
+        """``{"ns": {"variant|label": ns}, "frames": {...}}`` so far, and reset."""
+        with self._lock:
+            out = {"ns": {f"{v}|{lab}": n for (v, lab), n in self.ns.items()},
+                   "frames": {f"{v}|{lab}": n for (v, lab), n in self.frames.items()}}
+            self.ns.clear()
+            self.frames.clear()
+        return out
+
+    @classmethod
+    def calibrate(cls, frames: int = 2000) -> float:
+        """CPU ns one empty traced frame is charged (the tracer's own cost, included in every
+        figure: the added CPU is an upper bound by about this much per plugin frame)."""
+
+        class _Probe:
+            def noop(self):
+                return None
+
+        tracer = cls()
+        probe = _Probe()
+        tracer.patch_method(_Probe, "noop", "probe", lambda obj: "calibration")
+        try:
+            for _ in range(frames):
+                probe.noop()
+        finally:
+            tracer.unpatch()
+        return tracer.take()["ns"]["calibration|probe"] / frames
+
+    # -- wrapping -----------------------------------------------------------------------------
+    def patch_method(self, owner: type, name: str, label: str, variant_of) -> None:
+        """Wrap ``owner.name`` (a function in its ``__dict__``): calls on an object for which
+        ``variant_of(obj)`` is not None become frames ``(variant, label)``."""
+        original = owner.__dict__[name]
+        tracer = self
+
+        @functools.wraps(original)
+        def traced(obj, *args, **kwargs):
+            variant = variant_of(obj)
+            if variant is None:
+                return original(obj, *args, **kwargs)
+            return tracer.frame((variant, label), original, obj, *args, **kwargs)
+
+        setattr(owner, name, traced)
+        self._patches.append(("class", owner, name, original))
+
+    def patch_instance(self, obj, name: str, label: str, variant_now, record=None) -> None:
+        """Wrap the bound method ``obj.name`` on the instance; ``record(variant, args)`` sees each call."""
+        had = name in getattr(obj, "__dict__", {})
+        original = getattr(obj, name)
+        tracer = self
+
+        def traced(*args, **kwargs):
+            variant = variant_now()
+            if record is not None:
+                record(variant, args, kwargs)
+            return tracer.frame((variant, label), original, *args, **kwargs)
+
+        setattr(obj, name, traced)
+        self._patches.append(("instance", obj, name, original if had else None))
+
+    def unpatch(self) -> None:
+        while self._patches:
+            kind, owner, name, original = self._patches.pop()
+            if kind == "instance" and original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def is_plugin_class(cls: type) -> bool:
+    return (cls.__module__ or "").startswith("sglang_disagg_ext")
+
+
+def fix_of(cls: type) -> str:
+    """The fix id a plugin class carries (``F6``..), or ``base`` for the state class."""
+    # Read from the module the worker already imported (ext_classes); never imports SGLang itself.
+    backend = sys.modules.get("sglang_disagg_ext.backends.mooncake")
+    for fix, mixin in getattr(backend, "_FIX_MIXINS", ()):
+        if cls is mixin:
+            return fix
+    return "base"
+
+
+def traced_methods(ext_cls: type) -> Dict[str, List[tuple]]:
+    """What :meth:`Worker._trace_on` wraps for ``ext_cls``: ``{"plugin": [(class, name, label)],
+    "stock": [...]}``. Plugin: every per-request method a plugin class in the MRO defines over
+    a stock one. Stock: every definition in a stock class of those names and of
+    :data:`STOCK_CALLEES` (the stock work the plugin's frames call, engine calls inside it)."""
+    mro = ext_cls.__mro__
+    stock_names = set()
+    for cls in mro:
+        if not is_plugin_class(cls):
+            stock_names.update(n for n, v in vars(cls).items() if callable(v))
+    plugin, names = [], set(STOCK_CALLEES)
+    for cls in mro:
+        if not is_plugin_class(cls):
+            continue
+        for name, value in vars(cls).items():
+            if isinstance(value, types.FunctionType) and name in stock_names and name not in NOT_PER_REQUEST:
+                plugin.append((cls, name, f"{fix_of(cls)} {cls.__name__}.{name}"))
+                names.add(name)
+    stock = [(cls, name, f"stock {cls.__name__}.{name}") for cls in mro if not is_plugin_class(cls)
+             for name in sorted(names) if isinstance(vars(cls).get(name), types.FunctionType)]
+    return {"plugin": plugin, "stock": stock}
+
+
+def buffer_bases(groups: Dict[str, Any]) -> List[tuple]:
+    """Sorted ``(pointer, label)`` of every buffer in ``groups`` (name -> flat or nested pointer list)."""
+    out = []
+    for name, ptrs in groups.items():
+        for i, p in enumerate(ptrs or []):
+            if isinstance(p, (list, tuple)):
+                out.extend((int(q), f"{name}{i}.{j}") for j, q in enumerate(p))
+            elif p is not None:
+                out.append((int(p), f"{name}{i}"))
+    return sorted(out)
+
+
+def normalise(addr: int, bases: List[tuple]) -> tuple:
+    """``(buffer label, offset)`` of ``addr``: the nearest buffer base at or below it."""
+    i = bisect.bisect_right(bases, (int(addr), "\uffff")) - 1
+    if i < 0:
+        return ("?", int(addr))
+    return (bases[i][1], int(addr) - bases[i][0])
+
+
+def calls_digest(calls: List[tuple]) -> Dict[str, Any]:
+    """Counts and a digest of normalised engine calls, independent of their order across threads."""
+    canon = sorted(repr(c) for c in calls)
+    return {"engine_calls": len(calls), "descriptors": sum(len(c[1]) for c in calls),
+            "bytes": sum(d[-1] for c in calls for d in c[1]),
+            "sha256": hashlib.sha256("\n".join(canon).encode()).hexdigest()}
 
 
 class Side:
@@ -61,6 +271,9 @@ class Worker:
         self.args = args
         self.role = args.role
         self.sides = {v: Side(v) for v in VARIANTS}
+        self.tracer = CpuTracer()
+        self._tracing = None  # the variant a traced send runs
+        self._engine_calls: Dict[str, List[tuple]] = {v: [] for v in VARIANTS}
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> Dict[str, Any]:
@@ -93,6 +306,7 @@ class Worker:
         if issubclass(classes["manager"], ext_manager) or classes["manager"] is ext_manager:
             raise RuntimeError("the stock manager class is the plugin's: was the plugin loaded in this process?")
         self.classes = classes
+        self.ext_class = ext_manager
         manager_class = {"stock": classes["manager"], "ext": ext_manager}
         self.KVPoll = ss.kvpoll()
         self.per_component = not ss.is_flat()
@@ -108,7 +322,8 @@ class Worker:
             kv_args = classes["kvargs"]()
             ss.fill_kv_args(kv_args, self.role, side.server_args, side.kv_pool, side.meta, components,
                             self.scn.num_layers, self.scn.kv.head_num)
-            side.mgr = ss.make_manager(manager_class[side.name], kv_args, self.role, side.server_args)
+            with _bootstrap_port_of(side.port):
+                side.mgr = ss.make_manager(manager_class[side.name], kv_args, self.role, side.server_args)
         if self.role == "decode":
             for side in self.sides.values():
                 while not ss.try_ensure_prefill_info(side.mgr, side.addr):
@@ -121,6 +336,7 @@ class Worker:
             "engines": engines,
             "managers": {v: ss.class_name(s.mgr) for v, s in self.sides.items()},
             "pid": os.getpid(),
+            "tracer_ns_per_frame": CpuTracer.calibrate(),
         }
 
     def _build_pools(self, side: Side, dtype):
@@ -222,10 +438,15 @@ class Worker:
         state = [self._state(s) for s in msg["src_state"]]
         for i, s in enumerate(senders.values()):
             s.init(len(pages[i]), msg["aux"][i])
-        t0 = time.perf_counter()
-        for i, s in enumerate(senders.values()):
-            s.send(pages[i], state_indices=state[i])
-        done = self._poll_all(senders, FINAL, deadline + self.scn.timeouts.request_s)
+        if msg.get("trace"):
+            self._trace_on(msg["variant"])
+        try:
+            t0 = time.perf_counter()
+            for i, s in enumerate(senders.values()):
+                s.send(pages[i], state_indices=state[i])
+            done = self._poll_all(senders, FINAL, deadline + self.scn.timeouts.request_s)
+        finally:
+            traced = self._trace_off() if msg.get("trace") else None
         ends = [t for _, t in done.values()]
         statuses = sorted({s for s, _ in done.values()})
         failures = {room: self.ss.failure_reason(side.mgr, room) for room, (st, _) in done.items() if st != "Success"}
@@ -237,7 +458,68 @@ class Worker:
             "failures": failures,
             "makespan_s": max(ends) - t0,
             "latencies_s": [t - t0 for t in ends],
+            "trace": traced,
         }
+
+    # -- CPU tracing of the send path ---------------------------------------------------------
+    def _trace_on(self, variant: str) -> None:
+        """Wrap the plugin's per-request methods, the stock methods they (and stock's own send
+        path) run, and the engine's transfer calls, for the managers of this process."""
+        owners = {id(s.mgr): s.name for s in self.sides.values()}
+
+        def variant_of(obj):
+            return owners.get(id(obj))
+
+        methods = traced_methods(self.ext_class)
+        self.tracer.take()
+        self._tracing = variant
+        self._engine_calls = {v: [] for v in VARIANTS}
+        try:
+            for cls, name, label in methods["plugin"] + methods["stock"]:
+                self.tracer.patch_method(cls, name, label, variant_of)
+            engines = {id(s.mgr.engine): s.mgr.engine for s in self.sides.values()}
+            for engine in engines.values():
+                for name in ENGINE_METHODS:
+                    if callable(getattr(engine, name, None)):
+                        self.tracer.patch_instance(engine, name, ENGINE_LABEL, lambda: self._tracing,
+                                                   functools.partial(self._record_engine_call, name))
+        except BaseException:
+            self.tracer.unpatch()
+            raise
+        self._traced_labels = {"plugin": [lab for _, _, lab in methods["plugin"]],
+                               "stock": [lab for _, _, lab in methods["stock"]]}
+
+    def _record_engine_call(self, name: str, variant: str, args, kwargs) -> None:
+        if variant is None:
+            return
+        session, *rest = list(args) + list(kwargs.values())
+        if name == "batch_transfer_sync":
+            srcs, dsts, lens = (list(x) for x in rest[:3])
+        else:
+            srcs, dsts, lens = [rest[0]], [rest[1]], [rest[2]]
+        self._engine_calls[variant].append((str(session), srcs, dsts, lens))
+
+    def _trace_off(self) -> Dict[str, Any]:
+        self.tracer.unpatch()
+        variant, self._tracing = self._tracing, None
+        out = self.tracer.take()
+        mgr = self.sides[variant].mgr
+        a = mgr.kv_args
+        src = buffer_bases({"kv": a.kv_data_ptrs, "aux": a.aux_data_ptrs,
+                            "state": getattr(a, "state_data_ptrs", None) or []})
+        norm = []
+        for session, srcs, dsts, lens in self._engine_calls[variant]:
+            info = _decode_info(mgr, session)
+            dst = buffer_bases({"kv": getattr(info, "dst_kv_ptrs", None), "aux": getattr(info, "dst_aux_ptrs", None),
+                                "state": getattr(info, "dst_state_data_ptrs", None) or []})
+            norm.append((session, tuple(normalise(s, src) + normalise(d, dst) + (int(n),)
+                                        for s, d, n in zip(srcs, dsts, lens))))
+        out["engine"] = calls_digest(norm)
+        out["labels"] = self._traced_labels
+        # F6 checks a room only where decode published its pool sizes: say whether it did.
+        bounds = getattr(mgr, "_peer_bounds", None)
+        out["decode_bounds_known"] = bool(bounds) if bounds is not None else None
+        return out
 
     def finish(self, msg) -> Dict[str, Any]:
         side = self.sides[msg["variant"]]
@@ -387,6 +669,30 @@ class Worker:
             except Exception:
                 reply = {"ok": False, "error": traceback.format_exc(limit=8)[-3000:]}
             conn.send(reply)
+
+
+def _bootstrap_port_of(port: int):
+    """While building one side's manager, SGLang's published bootstrap port is that side's.
+
+    0.5.23 reads the prefill bootstrap port from the process's runtime context
+    (``get_disagg().disaggregation_bootstrap_port``), not from the server args the
+    manager is given: without this both managers would register at the first
+    side's bootstrap server. Older releases read the server args: nothing to do."""
+    import contextlib
+
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        bag = get_disagg()
+        bag.disaggregation_bootstrap_port  # noqa: B018 - published on this release?
+    except (ImportError, AttributeError, ValueError):
+        return contextlib.nullcontext()
+    return bag.override(disaggregation_bootstrap_port=port)
+
+
+def _decode_info(mgr, session: str):
+    """Decode's registration (``KVArgsRegisterInfo``) for ``session`` on ``mgr``, or None."""
+    return (getattr(mgr, "decode_kv_args_table", None) or {}).get(session)
 
 
 def _per_page(call, buffers: List[tuple]):
