@@ -326,7 +326,7 @@ def main(args) -> int:
     print(f"[selftest] SGLang {policy.version} ({policy.support_text}); backends {', '.join(backends)}; "
           f"{options.describe()}; "
           + ("each row runs -ext only (--ext-only)" if getattr(args, "ext_only", False) else
-             "each row runs stock and -ext (about 1-25 s a row, 3 min for all on a 2-core CPU machine)"),
+             "each row runs stock and -ext (about 1-25 s a row, 2.5 min for all on a 2-core CPU machine)"),
           file=sys.stderr, flush=True)
     # SGLang's import-time UserWarnings (no Triton, no CUDA kernels) say nothing about transfers.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
