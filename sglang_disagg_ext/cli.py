@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the scenario names for these backends and exit")
     p.add_argument("--ext-only", action="store_true",
                    help="run each Mooncake/NIXL scenario with the -ext name only (checks this node; "
-                        "no stock comparison, about half the time)")
+                        "no stock comparison)")
     p.set_defaults(func=_selftest)
 
     for name, (_, text) in DEPLOY_COMMANDS.items():
