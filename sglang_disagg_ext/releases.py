@@ -191,11 +191,14 @@ class ReleasePolicy:
         """Whether the ``-ext`` name of ``backend`` ("mooncake", ...) runs plugin classes here.
 
         True where the release is active and one of that backend's own fixes is
-        live; otherwise the ``-ext`` name passes through to SGLang's classes for
-        that backend (e.g. ``nixl-ext`` on 0.5.23, where only Mooncake fixes are live).
+        live, or carried by patched sources (there the plugin's classes keep
+        running over them, and the differential tests check stock and ``-ext``
+        both pass); otherwise the ``-ext`` name passes through to SGLang's
+        classes for that backend (e.g. ``nixl-ext`` on 0.5.23, where only
+        Mooncake fixes are live).
         """
         return self.support is Support.ACTIVE and any(
-            self.is_live(f) for f in FIXES if FIX_BACKEND[f] == backend
+            self.is_live(f) or f in self.patched for f in FIXES if FIX_BACKEND[f] == backend
         )
 
     def active_fixes(self):

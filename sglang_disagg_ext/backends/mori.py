@@ -666,7 +666,9 @@ class MoriExtKVBootstrapServer(MoriKVBootstrapServer):
 
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin (F3 live only)."""
-    if not policy.routes("mori"):
+    # F3 live only: on patched sources (F3 upstream there) the stock MoRI
+    # classes carry the fix and the plugin's wire format must not be imposed.
+    if not policy.is_live("F3"):
         return {}
     return {
         "MoriKVManager": MoriExtKVManager,

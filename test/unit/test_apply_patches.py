@@ -252,3 +252,15 @@ def test_nothing_patched_keeps_the_policy():
     policy = releases.policy_for("0.5.10.post1")
     assert releases.with_patched_fixes(policy, ()) is policy
     assert policy.patched == ()
+
+
+@pytest.mark.timeout(10)
+def test_patched_sources_keep_the_backend_routed():
+    """0.5.10.post1 with every patch: F4 is upstream (patched), yet nixl-ext keeps the plugin's
+    classes over the patched sources, so the patched run checks stock and -ext both pass."""
+    unpatched = releases.policy_for("0.5.10.post1")
+    patched = releases.with_patched_fixes(unpatched, ("F1", "F2", "F4", "F5"))
+    assert not patched.is_live("F4") and "F4" in patched.patched
+    assert patched.routes("nixl") and patched.routes("mooncake")
+    # ... while on 0.5.23, where F4 is upstream in SGLang itself, nixl-ext passes through.
+    assert not releases.policy_for("0.5.23").routes("nixl")
