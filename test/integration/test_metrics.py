@@ -3,7 +3,8 @@
 The first test runs a real transfer (two harness processes, SGLang's managers,
 the real Mooncake engine over TCP, CPU pools) and reads each process's
 ``sglang_disagg_ext_*`` metrics back with ``prometheus_client``'s parser; the
-expected counts are the ones the scenario implies, worked out by hand. The
+expected counts are the ones the scenario implies, worked out by hand (one
+trim, one refusal or one thread recovery, by what the release has live). The
 second shows the multiprocess path SGLang's ``/metrics`` uses: a child process
 with ``PROMETHEUS_MULTIPROC_DIR`` set counts, and a ``MultiProcessCollector``
 over that directory (what SGLang's HTTP server builds) reports it.
@@ -22,8 +23,11 @@ from sglang_disagg_ext import __version__, releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import with_state
 from sglang_disagg_ext.selftest.scenarios.isolation import SCENARIOS as ISOLATION
+from sglang_disagg_ext.selftest.scenarios.thread_survival import SCENARIOS as THREAD_FAULTS
 
 POLICY = releases.current_policy()
+PREFILL_FAULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support",
+                              "prefill_faults.py")
 STATE_CLASSES = POLICY.is_live("F1") or POLICY.is_live("F2")
 
 
@@ -52,12 +56,20 @@ def test_a_real_transfer_exports_what_it_did():
         result = run_scenario(with_state("metrics: one trim", "swa", [1, 2, 3, 4, 5], [6, 7, 8]), "mooncake-ext")
         assert result.ok, result.describe()
         want = ("sglang_disagg_ext_state_trims_total", (("component", "0"), ("kind", "swa")))
-    else:
+    elif POLICY.is_live("F6"):
         # F6: one request with a KV page outside decode's pool, refused on prefill; three good ones.
         builtin = ISOLATION[0]
         result = run_scenario(builtin.build(POLICY), "mooncake-ext")
         assert builtin.evaluate(result), result.describe()
         want = ("sglang_disagg_ext_requests_refused_total", (("fix", "F6"), ("reason", "kv index out of pool")))
+    else:
+        # F8 (0.5.12.x: no trim code, F6 not covered): the test-only hook makes send_aux raise
+        # once on the transfer worker; the plugin fails that room and re-enters the loop once.
+        builtin = THREAD_FAULTS[0]
+        env = {"SGLANG_HARNESS_PREFILL_HOOK": f"{PREFILL_FAULTS}:{builtin.prefill_hook}"}
+        result = run_scenario(builtin.build(POLICY), "mooncake-ext", extra_env=env)
+        assert builtin.evaluate(result), result.describe()
+        want = ("sglang_disagg_ext_thread_recoveries_total", (("role", "prefill"), ("thread", "transfer_worker")))
     prefill = _samples(result.plugin_metrics["prefill"])
     decode = _samples(result.plugin_metrics["decode"])
     assert prefill.get(want) == 1.0, result.plugin_metrics["prefill"]
