@@ -97,23 +97,23 @@ def _failed_with_fault_then_served(result) -> bool:
     )
 
 
+def _thread_fault(name: str, description: str, thread: str, hook: str) -> ThreadFaultScenario:
+    """Two requests; ``hook`` makes prefill's ``thread`` raise on the first (see the module docstring)."""
+    return ThreadFaultScenario(
+        name, "F8", description, lambda p: _two_requests(name),
+        passed=_failed_with_fault_then_served, signature=_both_waited_out(thread), prefill_hook=hook,
+    )
+
+
 SCENARIOS = [
-    ThreadFaultScenario(
+    _thread_fault(
         "transfer worker raises, then a good request",
-        "F8",
         "send_aux raises on the transfer worker for one room (stock: the thread dies, later rooms time out)",
-        lambda p: _two_requests("transfer worker raises, then a good request"),
-        passed=_failed_with_fault_then_served,
-        signature=_both_waited_out("transfer_worker"),
-        prefill_hook="raise_in_send_aux",
+        "transfer_worker", "raise_in_send_aux",
     ),
-    ThreadFaultScenario(
+    _thread_fault(
         "bootstrap handler raises, then a good request",
-        "F8",
         "prefill's bootstrap thread raises handling one room's message (stock: the thread dies, later rooms time out)",
-        lambda p: _two_requests("bootstrap handler raises, then a good request"),
-        passed=_failed_with_fault_then_served,
-        signature=_both_waited_out("bootstrap_thread"),
-        prefill_hook="raise_on_waiting_for_input",
+        "bootstrap_thread", "raise_on_waiting_for_input",
     ),
 ]
