@@ -125,9 +125,10 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
         else:
             transfer_run = transfer
         start = time.monotonic()
-        scenario = builtin.build(policy)
-        stock = None if ext_only else run_scenario(scenario, "mooncake", timeout_s=timeout_s, **transfer_run)
-        ext = run_scenario(scenario, "mooncake-ext", timeout_s=timeout_s, **transfer_run)
+        stock = None if ext_only else run_scenario(
+            builtin.scenario_for(policy, "mooncake"), "mooncake", timeout_s=timeout_s, **transfer_run)
+        ext = run_scenario(builtin.scenario_for(policy, "mooncake-ext"), "mooncake-ext", timeout_s=timeout_s,
+                           **transfer_run)
         failure = engine_start_failure(ext) or (stock is not None and engine_start_failure(stock))
         if stock is None:
             rows.append(ext_only_row(builtin.name, builtin.fix, "mooncake", builtin.evaluate(ext), ext,

@@ -17,6 +17,7 @@ flipped after the transfer, before verification), to show the per-head check
 of a state pool sees it.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -45,6 +46,9 @@ SUPPORT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
 # SGLang's own timeouts short (a stock request nobody completes ends in
 # seconds); request_s leaves room for three engine processes on two cores.
 TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=10.0, sglang_bootstrap_s=10.0)
+# The stock SWA runs on the older releases end only through the waiting
+# timeout, twice; 5 s there still leaves a served request (0.5.23) seconds.
+STOCK_SWA_TIMEOUTS = dataclasses.replace(TIMEOUTS, sglang_waiting_s=5.0)
 RUN_BOUND_S = 360  # one run's pytest bound: startup, the requests, teardown
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 
@@ -75,7 +79,7 @@ def kv_scenario(p: int, d: int) -> Scenario:
     )
 
 
-def swa_scenario(p: int, d: int) -> Scenario:
+def swa_scenario(p: int, d: int, timeouts: Timeouts = TIMEOUTS) -> Scenario:
     """KV pages 1,2 -> 3,4 and SWA pages 1,2,3 -> 4,5,6; then KV 5 -> 6, SWA 7 -> 9.
 
     The SWA pool has as many KV heads as the full-attention layers (2), as in
@@ -91,7 +95,7 @@ def swa_scenario(p: int, d: int) -> Scenario:
         state_pools=[StatePoolSpec(kind="swa", num_pages=12, head_num=2, head_dim=HEAD_DIM)],
         prefill_tp=p,
         decode_tp=d,
-        timeouts=TIMEOUTS,
+        timeouts=timeouts,
     )
 
 
@@ -159,8 +163,8 @@ def test_stock_swa_state_from_prefill_tp2_to_decode_tp1(backend):
     ranks raise "PD Disaggregation does NOT support PD different TP sizes for
     non-MLA SWA hybrid models yet." per request (0.5.10.post1 mooncake/conn.py:1003,
     nixl/conn.py:703; 0.5.11 :1004, :868; 0.5.12.post1 :1052, :1547) and decode
-    is never told: it ends Failed only through SGLang's waiting timeout (10 s
-    here). Where it is raised differs: Mooncake's transfer thread dies (prefill
+    is never told: it ends Failed only through SGLang's waiting timeout (5 s
+    here, ``STOCK_SWA_TIMEOUTS``). Where it is raised differs: Mooncake's transfer thread dies (prefill
     rooms never end); NIXL 0.5.12.x fails the room in its transfer worker;
     NIXL 0.5.10.post1/0.5.11 raise out of ``sender.send()`` itself, the
     scheduler's own call. NIXL stock runs get the harness's host-memory shim
@@ -169,7 +173,7 @@ def test_stock_swa_state_from_prefill_tp2_to_decode_tp1(backend):
     if backend == "nixl":
         require_or_skip("NIXL", NIXL_IMPORTABLE, "nixl._api does not import")
     env = {nixl_shim.ENV: "1"} if backend == "nixl" else None
-    res = run_scenario(swa_scenario(2, 1), backend, extra_env=env)
+    res = run_scenario(swa_scenario(2, 1, STOCK_SWA_TIMEOUTS), backend, extra_env=env)
     assert res.prefill_manager == f"sglang.srt.disaggregation.{backend}.conn.{backend.capitalize()}KVManager"
     assert res.sglang_ranks == _sglang_ranks(2, 1), res.sglang_ranks
     if backend in releases.features().stock_swa_head_slice_backends:
@@ -180,7 +184,7 @@ def test_stock_swa_state_from_prefill_tp2_to_decode_tp1(backend):
     refusal = "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
     for r in res.requests:
         assert r.decode_status == "Failed" and "timed out" in (r.decode_failure_reason or ""), res.describe()
-        assert r.decode_seconds >= TIMEOUTS.sglang_waiting_s - 0.5, res.describe()
+        assert r.decode_seconds >= STOCK_SWA_TIMEOUTS.sglang_waiting_s - 0.5, res.describe()
     first = res.requests[0]
     if backend == "mooncake":  # the transfer thread dies on both prefill ranks; their rooms never end
         assert first.prefill_status == "WaitingForInput", res.describe()

@@ -31,7 +31,7 @@ EXT_MODULE = "sglang_disagg_ext.backends.mooncake." if POLICY.routes("mooncake")
 
 
 def _run(builtin, backend):
-    result = run_scenario(builtin.build(POLICY), backend)
+    result = run_scenario(builtin.scenario_for(POLICY, backend), backend)
     return builtin.evaluate(result), result
 
 

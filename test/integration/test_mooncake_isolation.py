@@ -35,7 +35,7 @@ def test_bad_request_then_three_good(builtin):
     with the blacklisted-session reason ("... is not alive"). Ext: the bad one is Failed on
     both sides within the bound with the reason (component, index, pool size), nothing of
     it written, and the three valid ones pass byte for byte."""
-    stock = run_scenario(builtin.build(POLICY), "mooncake")
+    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
     why = builtin.stock_signature(stock, POLICY)
     assert why is None, f"stock did not fail the live bug's way: {why}\n{stock.describe()}"
 

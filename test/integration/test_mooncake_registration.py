@@ -44,12 +44,12 @@ def test_stock_serves_mismatched_metadata_ext_refuses_at_registration(builtin):
     by position (decode's checksum row, when decode has one, never written). Ext: one ERROR at
     registration naming both counts and the row sizes; each request Failed on both sides
     within the bound with that reason; no KV page and no metadata row of decode written."""
-    stock = run_scenario(builtin.build(POLICY), "mooncake")
+    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
     why = builtin.stock_signature(stock, POLICY)
     assert why is None, f"stock did not show the live bug's shape: {why}\n{stock.describe()}"
     assert not builtin.evaluate(stock)
 
-    ext = run_scenario(builtin.build(POLICY), "mooncake-ext")
+    ext = run_scenario(builtin.scenario_for(POLICY, "mooncake-ext"), "mooncake-ext")
     side = builtin.build(POLICY).kv_checksum_on
     problem = refusal_problem(ext, REFUSALS[side])
     assert problem is None, f"{problem}\n{ext.describe()}"

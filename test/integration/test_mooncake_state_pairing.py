@@ -29,12 +29,12 @@ EXT_MODULE = "sglang_disagg_ext.backends.mooncake."
 def test_stock_shifts_v_buffers_ext_pairs_by_layer(builtin):
     """Stock: Success on both sides with prefill's V pages in decode's draft K buffers and
     the wrong V buffers (exactly ``STOCK_WRONG``); ext: every page right, draft layers untouched."""
-    stock = run_scenario(builtin.build(POLICY), "mooncake")
+    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
     assert not builtin.evaluate(stock), f"stock passed:\n{stock.describe()}"
     why = builtin.stock_signature(stock, POLICY)
     assert why is None, f"stock failed, but not with F7's signature: {why}\n{stock.describe()}"
 
-    ext = run_scenario(builtin.build(POLICY), "mooncake-ext")
+    ext = run_scenario(builtin.scenario_for(POLICY, "mooncake-ext"), "mooncake-ext")
     assert ext.ok, ext.describe()
     assert ext.prefill_manager.startswith(EXT_MODULE), ext.describe()
     r = ext.requests[0]

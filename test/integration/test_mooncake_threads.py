@@ -34,7 +34,7 @@ HOOKS = os.path.join(os.path.dirname(__file__), os.pardir, "support", "prefill_f
 
 def _run(builtin, backend):
     env = {"SGLANG_HARNESS_PREFILL_HOOK": f"{os.path.abspath(HOOKS)}:{builtin.prefill_hook}"}
-    return run_scenario(builtin.build(POLICY), backend, extra_env=env)
+    return run_scenario(builtin.scenario_for(POLICY, backend), backend, extra_env=env)
 
 
 @pytest.mark.timeout(300)

@@ -32,7 +32,7 @@ T_START = time.monotonic()
 
 POLL_SLEEP_S = 0.002
 FINAL = ("Success", "Failed")
-PEER_GRACE_S = 5.0
+PEER_GRACE_S = 3.0  # a live prefill reaches its final state well inside this after decode
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
 PREFILL_HOOK_ENV = "SGLANG_HARNESS_PREFILL_HOOK"
 # Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to

@@ -19,8 +19,8 @@ from typing import Optional
 
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
 from sglang_disagg_ext.selftest.scenarios.mooncake import (
-    _DEFAULT_TIMEOUTS,
     FAILED_WITHIN_S,
+    STOCK_TIMEOUTS,
     BuiltinScenario,
     _decode_waited_out,
 )
@@ -64,8 +64,8 @@ def _both_waited_out(thread: str):
         bad, good = result.requests
         return (
             _prefill_thread_died(bad, thread)
-            or _decode_waited_out(bad, _DEFAULT_TIMEOUTS.sglang_waiting_s)
-            or _decode_waited_out(good, _DEFAULT_TIMEOUTS.sglang_waiting_s)
+            or _decode_waited_out(bad, STOCK_TIMEOUTS.sglang_waiting_s)
+            or _decode_waited_out(good, STOCK_TIMEOUTS.sglang_waiting_s)
         )
 
     return check
