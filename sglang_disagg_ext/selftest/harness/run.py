@@ -366,7 +366,12 @@ def run_scenario(
             ] + options.worker_args()
             if role == "prefill":
                 args += ["--peer-result", os.path.join(run_dir, f"{first_decode}.json")]
-            elif scenario.multi_rank:
+            else:
+                # Decode starts requests only once every prefill rank has its manager
+                # and its test hook (SGLANG_HARNESS_PREFILL_HOOK) in place: without
+                # this wait a single-rank decode's first pre-alloc message could reach
+                # prefill's bootstrap thread before the hook, and the fault never fired
+                # (the stock F8 bootstrap row once passed in CI on 0.5.12.post1).
                 args += ["--ready-files", os.pathsep.join(os.path.join(run_dir, f"{p}.json") for p in prefills)]
             children[name] = spawn(name, exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
 
