@@ -8,15 +8,24 @@ comparing version strings itself.
 
 Facts come from reading each release's wheel (``shared/notes/sglang-releases.md``):
 
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
-release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     state layout
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  uncov.  live  live  uncov.  uncov.  flat
-0.5.11           up    live  n/a   live  live  uncov.  live  live  uncov.  uncov.  flat
-0.5.12(.post1)   up    up    live  live  live  uncov.  live  live  uncov.  uncov.  per-component
-0.5.13 … 0.5.22  up    up    up    up    up    uncov.  uncov uncov uncov.  uncov.  per-component
-0.5.23           up    up    up    up    up    live    live  live  live    live    per-component
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  =============
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
+release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     state layout
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
+0.5.10.post1     live  live  n/a   live  live  uncov.  live  live  uncov.  uncov.  n/a     flat
+0.5.11           up    live  n/a   live  live  uncov.  live  live  uncov.  uncov.  n/a     flat
+0.5.12(.post1)   up    up    live  live  live  uncov.  live  live  uncov.  uncov.  n/a     per-component
+0.5.13 …         up    up    up    up    up    uncov.  live  live  uncov.  uncov.  n/a     per-component
+  0.5.21 [1]
+0.5.22           up    up    up    up    up    uncov.  live  live  uncov.  uncov.  uncov.  per-component
+0.5.23           up    up    up    up    up    live    live  live  live    live    live    per-component
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
+
+[1] each published release: 0.5.13, 0.5.13.post1, 0.5.14, 0.5.15, 0.5.15.post1,
+0.5.16, 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21. Every release 0.5.13-0.5.22 is
+active with F7/F8 live because a differential run on that release's wheel proved
+them (stock fails with the bug's signature, ``-ext`` passes):
+``scripts/release_sweep.sh``, recorded in ``docs/release-sweep.md``. A release of
+that range without its own row (a later ``.postN``) passes through.
 
 "uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
 this plugin version has no adapter proven against its code, so ``-ext`` passes
@@ -35,6 +44,21 @@ the mismatch, common/conn.py:617-634); F10 decode holds a request whose metadata
 row never shows its room forever (0.5.12 decode.py:1412-1415, 0.5.23
 utils.py:245-260). F9 needs 0.5.23's registration hooks; F10 before 0.5.13 runs
 after the TP all-reduce (a per-rank deadline would desynchronise the ranks).
+F11 (NIXL nixl/conn.py and common/conn.py of every wheel read): the head-sliced
+SWA state path (``_send_swa_state_slice``, common ``_get_mha_head_slice_blocks``
+raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
+``_init_hetero_tp_prep_handle`` on the bootstrap thread exist from 0.5.22
+(nixl/conn.py:941, :2640; common/conn.py:1617) and in 0.5.23 (:1311, :2969;
+:1802-1806; bootstrap thread logs and re-raises, :3415-3426); up to 0.5.21 there
+is no head-sliced SWA path (stock refuses different TP sizes for SWA per request,
+F4's era): n/a. 0.5.22 has the code but no adapter proven there: uncovered.
+F12 (MoRI mori/conn.py of every wheel read; not in the table above: uncovered in
+every row but 0.5.23, live there): metadata rows go out as ``AUX_DATA`` messages
+on another ZMQ socket than the room's status (0.5.10.post1/0.5.11: a new socket
+per message, ``_connect`` :752 vs :417; 0.5.12+: per-thread
+``_connect_threadsafe``, 0.5.23 :837-857 / :1610-1624 vs common/conn.py:1709),
+and decode drops a row whose bytes disagree with their declared length
+(0.5.10.post1 :774 ... 0.5.23 :1980). Proven (stand-in engine) on 0.5.23 only.
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
 head replicas by modulo (nixl/conn.py:1002-1004), keys KV tags on the TP rank only
@@ -77,7 +101,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -90,6 +114,10 @@ FIX_TITLES = {
     "F8": "Mooncake: transfer, bootstrap and decode threads survive an unexpected exception; the affected room ends Failed",
     "F9": "Mooncake: registration refuses a pair it cannot serve (metadata buffer counts or sizes differ), on both sides",
     "F10": "Decode's metadata gate has a deadline: a request whose metadata never lands ends Failed, with a reason",
+    "F11": "NIXL (head-sliced path): an unsliceable decode is refused at registration, SWA page lists aligned as Mooncake, "
+    "the bootstrap thread survives a failed registration",
+    "F12": "MoRI (TCP metadata path): each metadata row travels ahead of its room's status on one ordered channel; "
+    "a row whose length does not match fails the room with a reason instead of being dropped",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -104,6 +132,8 @@ FIX_BACKEND = {
     "F8": "mooncake",
     "F9": "mooncake",
     "F10": "all",
+    "F11": "nixl",
+    "F12": "mori",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -111,7 +141,8 @@ EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (pass-through to the stock classes)"
+    "0.5.13 through 0.5.22 (Mooncake fixes F7, F8 active; an unlisted .postN of "
+    "0.5.13-0.5.23 passes through to the stock classes)"
 )
 
 
@@ -194,8 +225,8 @@ class ReleasePolicy:
         live, or carried by patched sources (there the plugin's classes keep
         running over them, and the differential tests check stock and ``-ext``
         both pass); otherwise the ``-ext`` name passes through to SGLang's
-        classes for that backend (e.g. ``nixl-ext`` on 0.5.23, where only
-        Mooncake fixes are live).
+        classes for that backend (e.g. ``mori-ext`` on 0.5.23, where no
+        MoRI fix is live).
         """
         return self.support is Support.ACTIVE and any(
             self.is_live(f) or f in self.patched for f in FIXES if FIX_BACKEND[f] == backend
@@ -222,27 +253,53 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _X, "F12": _X}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
 
-# 0.5.13 ... 0.5.22 (and their .postN): F1-F5 upstream; the Mooncake bugs F6-F8
-# fix are live in every one of them (read in each wheel: session blacklisted
-# after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284, 0.5.22
-# :2672-2673; get_mha_kv_ptrs_with_pp identical in every release; transfer_worker
-# re-raises, 0.5.13 :1366, 0.5.22 :2806), but the adapters are written and
-# tested against 0.5.23's manager (whose hooks, e.g. conclude_failure and
-# _make_worker_recv, those releases lack or shape differently): uncovered.
+# 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
+# scripts/release_sweep.sh (docs/release-sweep.md); F6/F9 uncovered there (no
+# registration hooks before 0.5.23); F10 uncovered (the gate exists, but the F10
+# scenario's stand-in decode manager is 0.5.23's and fails to build there). The rest
+# (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
+# Mooncake bugs F6-F8 fix are live in every release of that range (read in each wheel:
+# session blacklisted after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284,
+# 0.5.22 :2672-2673; get_mha_kv_ptrs_with_pp identical in every release; transfer_worker
+# re-raises, 0.5.13 :1366, 0.5.22 :2806), but an unlisted post-release has had no
+# differential run: uncovered.
 _PASS_THROUGH_FIXES = {
     "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
+    "F11": _N, "F12": _X,
 }
+# F11's code path (head-sliced SWA state, asserting hetero-TP prep on the
+# bootstrap thread) first appears in 0.5.22 (see the table comment above).
+_PASS_THROUGH_F11_FROM = Version("0.5.22")
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
 NEWEST_KNOWN = "0.5.23"
+
+
+def _pass_through_fixes(version: Version) -> Dict[str, FixStatus]:
+    fixes = dict(_PASS_THROUGH_FIXES)
+    if version >= _PASS_THROUGH_F11_FROM:
+        fixes["F11"] = _X
+    return fixes
 
 
 def policy_for(version: Optional[str]) -> ReleasePolicy:
@@ -268,7 +325,7 @@ def policy_for(version: Optional[str]) -> ReleasePolicy:
                 version,
                 Support.PASS_THROUGH,
                 StateLayout.PER_COMPONENT,
-                dict(_PASS_THROUGH_FIXES) if known else {f: _U for f in FIXES},
+                _pass_through_fixes(parsed) if known else {f: _U for f in FIXES},
                 True,
                 known=known,
             )
@@ -400,6 +457,16 @@ class SGLangFeatures:
 
         return hasattr(ServerArgs, "mooncake_ib_device")
 
+    @functools.cached_property
+    def kv_status_codec(self) -> bool:
+        """Whether Mooncake's status message goes through SGLang's common codec
+        (``parse_kv_status_message`` / ``send_kv_status_message``, common/conn.py,
+        0.5.22+), which reads frames by position and ignores trailing ones. Older
+        decode loops unpack exactly three frames (0.5.12.post1 mooncake/conn.py)."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return all(hasattr(MooncakeKVManager, n) for n in ("parse_kv_status_message", "send_kv_status_message"))
+
     # -- process setup ------------------------------------------------------------
 
     @functools.cached_property
@@ -410,6 +477,29 @@ class SGLangFeatures:
         except ImportError:
             return False
         return True
+
+    @functools.cached_property
+    def runtime_context_publish(self) -> bool:
+        """Whether ``runtime_context.publish`` exists (0.5.17+: the scheduler publishes its
+        config through it). 0.5.14-0.5.16 have a ``runtime_context`` without it: their
+        scheduler still calls ``set_global_server_args_for_scheduler`` (a shim onto
+        ``get_context().set_server_args`` from 0.5.15)."""
+        if not self.runtime_context:
+            return False
+        from sglang.srt import runtime_context
+
+        return hasattr(runtime_context, "publish")
+
+    @functools.cached_property
+    def runtime_context_spawn_ranks(self) -> bool:
+        """Whether ``runtime_context.publish`` takes the process's ranks (``spawn_world_rank``, 0.5.23).
+
+        Releases with a ``runtime_context`` but without it (0.5.18) publish the
+        config only and take the widths from ``initialize_model_parallel``'s arguments.
+        """
+        from sglang.srt import runtime_context
+
+        return hasattr(runtime_context, "spawn_world_rank")
 
     @functools.cached_property
     def metadata_buffers_sampling_mask(self) -> bool:

@@ -89,14 +89,16 @@ def _stock_gate():
     return gate
 
 
-def gate_with_deadline(polls, decode_reqs, metadata_buffers) -> None:
+def gate_with_deadline(polls, decode_reqs, metadata_buffers, *args, **kwargs) -> None:
     """The stock metadata gate, plus a deadline for every request it holds.
 
     Contract: decode scheduler thread only, from ``poll_and_all_reduce`` (through
     ``DecodeTransferQueue._poll_with_metadata_gate``) or
     ``poll_and_all_reduce_with_staging`` (``_poll_with_staging``), once per
     ``pop_transferred``, before the polls are MIN-reduced across the attention
-    TP group. ``polls[i]`` is the raw poll (an ``int`` of ``KVPoll``) of
+    TP group (0.5.13-0.5.19 pass a fourth argument, ``server_args``, for the
+    stock gate's fake-transfer check: passed through unchanged, as are any
+    later extras). ``polls[i]`` is the raw poll (an ``int`` of ``KVPoll``) of
     ``decode_reqs[i]``, a ``DecodeRequest`` still in the transfer queue with
     its ``kv_receiver`` and ``metadata_buffer_index``; the list is mutated in
     place and nothing is returned. It may assume the caller acts on every
@@ -112,7 +114,7 @@ def gate_with_deadline(polls, decode_reqs, metadata_buffers) -> None:
 
     success, transferring, failed = int(KVPoll.Success), int(KVPoll.Transferring), int(KVPoll.Failed)
     entered = list(polls)
-    _stock_gate()(polls, decode_reqs, metadata_buffers)
+    _stock_gate()(polls, decode_reqs, metadata_buffers, *args, **kwargs)
     now = time.monotonic()
     timeout_s = None
     for i, before in enumerate(entered):

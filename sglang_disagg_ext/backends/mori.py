@@ -665,7 +665,15 @@ class MoriExtKVBootstrapServer(MoriKVBootstrapServer):
 
 
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
-    """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin (F3 live only)."""
+    """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin.
+
+    Where F12 is live (0.5.23, F3 upstream) that is ``backends.mori_newest``'s
+    classes over stock's; where F3 is live (0.5.12.x) the F3 classes below.
+    """
+    if policy.is_live("F12"):
+        from sglang_disagg_ext.backends.mori_newest import ext_classes as ordered_classes
+
+        return ordered_classes()
     # F3 live only: on patched sources (F3 upstream there) the stock MoRI
     # classes carry the fix and the plugin's wire format must not be imposed.
     if not policy.is_live("F3"):

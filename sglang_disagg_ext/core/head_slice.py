@@ -313,3 +313,52 @@ def notification_sender_id(pp_rank: int, engine_rank: int) -> int:
     if engine_rank >= ENGINE_RANK_LIMIT:
         raise ValueError(f"engine_rank {engine_rank} >= {ENGINE_RANK_LIMIT}")
     return int(pp_rank) * ENGINE_RANK_LIMIT + int(engine_rank)
+
+
+# --- F11: which decode a prefill can head-slice for (checked at registration) -----
+
+
+def check_head_sliced_pair(
+    component: str,
+    prefill_tp_size: int,
+    decode_tp_size: int,
+    total_kv_heads: int,
+    page_size: int,
+    item_lens: Sequence[tuple],
+) -> HeadLayout:
+    """Refuse a prefill/decode pair whose ``component`` cannot be cut into head slices.
+
+    ``component`` names what is sliced ("KV", "SWA state (component 0)");
+    ``item_lens`` lists, per buffer, (prefill item length, decode item length)
+    in bytes per page. The pair is servable when the heads fit both TP sizes
+    (:class:`HeadLayout`) and every buffer holds whole heads of one size on both
+    sides: ``item_len = page_size x heads per rank x head bytes``, with heads per
+    rank ``max(1, H // TP)`` as SGLang shards them. The error names the
+    component, both TP sizes, the head counts and the first offending buffer.
+    """
+    p = _check_positive("prefill TP size", prefill_tp_size)
+    d = _check_positive("decode TP size", decode_tp_size)
+    h = _check_positive("total KV heads", total_kv_heads)
+    where = (
+        f"{component} cannot be head-sliced from prefill TP {p} to decode TP {d} with {h} KV heads "
+        f"({max(1, h // p)} per prefill rank, {max(1, h // d)} per decode rank)"
+    )
+    try:
+        layout = HeadLayout(p, d, h)
+        for buf, (src_len, dst_len) in enumerate(item_lens):
+            src = _buffer_head_bytes("prefill", buf, src_len, page_size, layout.prefill_heads_per_rank)
+            dst = _buffer_head_bytes("decode", buf, dst_len, page_size, layout.decode_heads_per_rank)
+            if src != dst:
+                raise HeadLayoutError(
+                    f"buffer {buf}: one head is {src} bytes per token on prefill but {dst} on decode"
+                )
+    except HeadLayoutError as exc:
+        raise HeadLayoutError(f"{where}: {exc}") from None
+    return layout
+
+
+def _buffer_head_bytes(side: str, buf: int, item_len, page_size: int, heads: int) -> int:
+    try:
+        return head_bytes_from_item_len(item_len, page_size, heads)
+    except HeadLayoutError as exc:
+        raise HeadLayoutError(f"{side} buffer {buf}: {exc}") from None

@@ -47,6 +47,7 @@ RUN_TIMEOUT = 240
 
 STOCK_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"
 EXT_MANAGER = "sglang_disagg_ext.backends.mori.MoriExtKVManager"
+F12_MANAGER = "sglang_disagg_ext.backends.mori_newest.MoriOrderedKVManager"
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -164,7 +165,9 @@ def test_f3_status_matches_the_release_table():
     elif version in ("0.5.10.post1", "0.5.11"):
         assert F3 is releases.FixStatus.NA  # MoRI has no hybrid-state send before 0.5.12
     else:
-        assert not POLICY.routes("mori") and F3 is releases.FixStatus.UPSTREAM
+        # Upstream from 0.5.13; mori-ext still routes where F12 (metadata order) is live.
+        assert F3 is releases.FixStatus.UPSTREAM
+        assert POLICY.routes("mori") == POLICY.is_live("F12")
     assert releases.EXT_BACKENDS["mori-ext"] == "mori"
 
 
@@ -193,6 +196,10 @@ def test_doctor_does_not_see_the_standin():
 @pytest.mark.timeout(300)
 def test_ext_classes_follow_the_release(ext, clean_activation):
     routed = ext.ext_classes(POLICY)
+    if POLICY.is_live("F12"):  # 0.5.23: F12's classes over stock (test_mori_newest.py)
+        assert set(routed) == {"MoriKVManager", "MoriKVReceiver", "MoriKVBootstrapServer"}
+        assert all(c.__module__ == "sglang_disagg_ext.backends.mori_newest" for c in routed.values())
+        return
     if not LIVE:
         assert routed == {}  # n/a before 0.5.12, upstream from 0.5.13: stock classes
         return
@@ -399,8 +406,9 @@ def test_two_component_request_stock_vs_ext():
     _assert_ok(ext_res)
     assert ext_res.state_types == ["mamba", "swa"]
     req0, req1 = ext_res.requests
-    if not LIVE:  # upstream release: mori-ext is the stock, already fixed, classes
-        assert ext_res.prefill_manager == STOCK_MANAGER == ext_res.decode_manager
+    if not LIVE:  # upstream release: F3 is stock's; F12's manager where live (0.5.23)
+        expected = F12_MANAGER if POLICY.is_live("F12") else STOCK_MANAGER
+        assert ext_res.prefill_manager == expected == ext_res.decode_manager
         return
     assert ext_res.prefill_manager == EXT_MANAGER == ext_res.decode_manager
     assert any("len(prefill_state_indices)=5, len(dst_state_indices)=4" in m for m in req0.prefill_log)

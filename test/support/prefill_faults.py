@@ -58,3 +58,16 @@ def raise_on_waiting_for_input(mgr) -> None:
         return stock(bootstrap_room, status, *args, **kwargs)
 
     mgr.update_status = update_status
+
+
+def raise_in_registration(mgr) -> None:
+    """The bootstrap thread's registration of decode TP rank 0 raises, once, inside stock
+    ``_add_remote_peer`` (at its ``_prepare_payload_xfer`` call: NIXL 0.5.22+); other ranks register."""
+    take, stock = _once(), mgr._prepare_payload_xfer
+
+    def prepare_payload_xfer(peer_info, *args, **kwargs):
+        if peer_info.decode_tp_rank == 0 and take():
+            raise InjectedFault(f"injected fault: registration of decode TP rank {peer_info.decode_tp_rank}")
+        return stock(peer_info, *args, **kwargs)
+
+    mgr._prepare_payload_xfer = prepare_payload_xfer

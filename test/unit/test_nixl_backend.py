@@ -25,12 +25,13 @@ ROOM = 4242
 from sglang_disagg_ext import releases  # noqa: E402
 
 # The notification parser these tests drive is the one nixl-ext runs against:
-# releases where the plugin routes NIXL (0.5.13+ pass through; 0.5.23's NIXL
-# path no longer uses these tags).
+# releases where F4's classes are nixl-ext's (0.5.13+ pass through; on 0.5.23
+# nixl-ext is F11's class over stock, whose NIXL path no longer uses these tags).
+_POLICY = releases.current_policy()
 active_only = pytest.mark.skipif(
-    not releases.current_policy().routes("nixl"),
-    reason=f"n/a on SGLang {releases.current_policy().version}: nixl-ext passes through to the stock "
-    "classes there, so the plugin's notification parser is not in use (smoke: test_nixl_passthrough.py)",
+    not (_POLICY.is_live("F4") or "F4" in _POLICY.patched),
+    reason=f"n/a on SGLang {_POLICY.version}: F4's classes are not nixl-ext's there (pass-through, or "
+    "F11's class over stock on 0.5.23), so the plugin's notification parser is not in use",
 )
 
 

@@ -8,27 +8,40 @@ L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
 X = FixStatus.UNCOVERED
 
-# (release, support, layout, F1..F10) — from shared/notes/sglang-releases.md, except F4/F5 on
+# (release, support, layout, F1..F12) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
 # mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
 # wheel 0.5.10.post1-0.5.23: live in all (e.g. the session blacklisted after one failed KV
 # send, 0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.17 :1718-1719, 0.5.23 :2742-2745);
-# 0.5.13-0.5.22 have no adapter proven against their code: uncovered, pass-through; F6 is
+# 0.5.13-0.5.22: F7/F8 proven by scripts/release_sweep.sh on every release of that range
+# (docs/release-sweep.md); F6 is
 # uncovered before 0.5.23 too (no manager hook to publish decode's pool sizes there). F9/F10
 # (metadata buffers paired by position; decode's metadata gate without a deadline) read in
 # every wheel: live; covered on 0.5.23 only (F10 before 0.5.13: the gate runs after the TP
-# all-reduce, so a per-rank deadline would desynchronise ranks).
+# all-reduce, so a per-rank deadline would desynchronise ranks). F11 (NIXL's head-sliced SWA
+# path and the asserting hetero-TP prep on the bootstrap thread) read in every wheel: absent up
+# to 0.5.21 (n/a), present in 0.5.22 (nixl/conn.py:941, :2640; uncovered) and 0.5.23 (live).
+# F12 (MoRI metadata rows on another socket than the status, rows of the wrong length dropped)
+# read in every wheel 0.5.10.post1-0.5.23: present in all; proven and live on 0.5.23 only.
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, X, L, L, X, X)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, X, L, L, X, X)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X)),
-    ("0.5.13", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
-    ("0.5.13.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
-    ("0.5.15.post1", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
-    ("0.5.22", Support.PASS_THROUGH, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, X, X, X, X)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, X, L, L, X, X, N, X)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, X, L, L, X, X, N, X)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X, N, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, X, L, L, X, X, N, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, X, X)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L)),
 ]
 
 
@@ -76,7 +89,9 @@ def test_newer_release_than_known_is_pass_through_with_a_warning(version):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("version", ["0.5.13", "0.5.22", "0.5.23.post3"])
+# Every published release 0.5.13-0.5.23 has its own row now; a post-release the table does
+# not list (in the known range) still passes through without the unknown-release warning.
+@pytest.mark.parametrize("version", ["0.5.13.post2", "0.5.21.post1", "0.5.23.post3"])
 def test_known_pass_through_releases_give_no_warning(version):
     p = policy_for(version)
     assert p.known and p.unknown_release_warning() is None and p.support_text == "pass-through"

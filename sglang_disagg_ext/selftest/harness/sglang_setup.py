@@ -17,9 +17,9 @@ References (``file:line`` in the release named):
     when the backend string equals ``"mooncake"`` (0.5.11 :1277).
   * Process groups: ``init_distributed_environment``, ``initialize_model_parallel``,
     ``initialize_dp_attention`` (every release's CommonKVManager reads the
-    attention TP/CP/DP getters and, on prefill, ``get_pp_group()``); 0.5.13+
-    publish the rank placement first (``runtime_context.publish``, 0.5.23
-    managers/scheduler.py:6327) and size the groups from it.
+    attention TP/CP/DP getters and, on prefill, ``get_pp_group()``); 0.5.17+
+    publish the config first (``runtime_context.publish``), 0.5.23 with the rank
+    placement (managers/scheduler.py:6327), and size the groups from it.
 """
 
 from __future__ import annotations
@@ -109,10 +109,6 @@ def is_flat() -> bool:
     return state_layout() is releases.StateLayout.FLAT
 
 
-def _has_runtime_context() -> bool:
-    return releases.features().runtime_context
-
-
 # -- plugin -----------------------------------------------------------------------
 
 
@@ -200,10 +196,21 @@ def init_runtime(
         import torch
 
         torch.cuda.set_device(gpu_id)
-    if _has_runtime_context():
+    features = releases.features()
+    if features.runtime_context_publish and features.runtime_context_spawn_ranks:
         _init_runtime_context(server_args, dist_init_method, rank=rank, world_size=world_size, gpu_id=gpu_id)
         return
-    set_global_server_args_for_scheduler(server_args)
+    if features.runtime_context_publish:
+        # Config published without ranks (0.5.17/0.5.18's run_scheduler_process:
+        # ``publish(server_args, role="scheduler")``); the groups below get their
+        # widths from arguments, as before runtime_context existed.
+        from sglang.srt import runtime_context as rc
+
+        rc.publish(server_args, role="scheduler")
+    else:
+        # No runtime_context, or one without ``publish`` (0.5.14-0.5.16, whose
+        # scheduler still calls this function).
+        set_global_server_args_for_scheduler(server_args)
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
@@ -216,8 +223,9 @@ def init_runtime(
         distributed_init_method=dist_init_method,
     )
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    # initialize_dp_attention reads only hidden_size and dtype of the model config.
-    initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype))
+    # initialize_dp_attention reads only hidden_size and dtype of the model config
+    # (and, where runtime_context exists, hf_config's optional hybrid_override_pattern).
+    initialize_dp_attention(server_args, SimpleNamespace(hidden_size=hidden_size, dtype=dtype, hf_config=SimpleNamespace()))
 
 
 def _init_runtime_context(
@@ -552,6 +560,10 @@ def fill_kv_args(
         kv_args.kv_layer_ids = dutils.build_kv_layer_ids(
             token_to_kv_pool=kv_pool, draft_token_to_kv_pool=None, num_draft_entries=0, num_hidden_layers=num_layers
         )
+    elif "kv_layer_ids" in fields:
+        # No build_kv_layer_ids (0.5.18): prefill.py/decode.py set the pool's
+        # get_kv_layer_ids() where it has one (hybrid linear pools only), else [].
+        kv_args.kv_layer_ids = list(getattr(kv_pool, "get_kv_layer_ids", lambda: [])())
     if role == "prefill":  # non-MLA prefill only, as in prefill.py
         kv_args.kv_head_num = kv_pool.head_num
         kv_args.total_kv_head_num = total_kv_heads

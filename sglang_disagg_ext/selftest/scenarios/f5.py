@@ -537,6 +537,7 @@ def _meta_req(slot: int, value: int, hidden_size: int, room: int):
         **vars(logprob),  # ... earlier releases on the request itself
         return_sampling_mask=False,
         get_mm_token_counts=lambda: (0, 0, 0),
+        multimodal_inputs=None,  # 0.5.18 set_buf reads the inputs themselves (no images: 0 counts)
         hidden_states_tensor=torch.full((hidden_size,), float(value)),
         output_topk_p=torch.full((4,), 0.125 * value),
         output_topk_index=torch.arange(4, dtype=torch.int64) + value,

@@ -72,21 +72,37 @@ def standin_dir() -> Optional[str]:
     return path if os.path.isfile(os.path.join(path, "mori", "cpp.py")) else None
 
 
-def standin_env() -> Dict[str, str]:
-    """``extra_env`` for ``run_scenario``: the stand-in and this checkout on the children's path."""
+def standin_env(aux_rdma: bool = True) -> Dict[str, str]:
+    """``extra_env`` for ``run_scenario``: the stand-in and this checkout on the children's path.
+
+    ``aux_rdma``: send metadata rows through the engine (see below); ``run``
+    turns it off where both sides run ``mori-ext`` with F12 live.
+    """
     path = standin_dir()
     if path is None:
         raise RuntimeError("the MoRI stand-in lives in a source checkout (test/support/mori_standin); none here")
     parts = [path, _repo_root()]
     if os.environ.get("PYTHONPATH"):
         parts.append(os.environ["PYTHONPATH"])
-    # Aux rows through the engine (batch_write), not SGLang's default TCP path:
-    # that path sends each aux buffer from a per-thread ZMQ socket and the
-    # Success status from another, so decode can see Success before the last
-    # aux rows land (seen with stock 0.5.23: rows of buffers 6-9 still unwritten
-    # when decode polled Success). That race is SGLang's aux transport, not the
-    # per-component state path F3 is about, and would make these checks flaky.
-    return {"PYTHONPATH": os.pathsep.join(parts), "SGLANG_MORI_SEND_AUX_RDMA": "1"}
+    env = {"PYTHONPATH": os.pathsep.join(parts)}
+    if aux_rdma:
+        # Aux rows through the engine (batch_write), not SGLang's default TCP
+        # path: stock sends each aux buffer from a per-thread ZMQ socket and the
+        # Success status from another, so decode can see Success before the last
+        # aux rows land (seen with stock 0.5.23: rows of buffers 6-9 still
+        # unwritten when decode polled Success). That race is F12 (live in every
+        # release's stock MoRI, fixed by mori-ext on 0.5.23 only), not the
+        # per-component state path F3 is about, and would make stock runs and
+        # 0.5.12.x's mori-ext runs flaky.
+        env["SGLANG_MORI_SEND_AUX_RDMA"] = "1"
+    return env
+
+
+def needs_aux_rdma(backend: str, decode_backend: Optional[str] = None) -> bool:
+    """Whether a run must keep metadata rows off SGLang's racy TCP path: unless
+    both sides run ``mori-ext`` where F12 is live (rows ordered with the status)."""
+    both_ext = backend == "mori-ext" and decode_backend in (None, "mori-ext")
+    return not (both_ext and releases.current_policy().is_live("F12"))
 
 
 def standin_usable(timeout_s: float = 30.0) -> Tuple[bool, str]:
@@ -170,7 +186,7 @@ def run(scenario: Scenario, backend: str, decode_backend: Optional[str] = None, 
     """
     from sglang_disagg_ext.selftest.harness.run import run_scenario
 
-    extra = None if real_engine else standin_env()
+    extra = None if real_engine else standin_env(aux_rdma=needs_aux_rdma(backend, decode_backend))
     return run_scenario(
         scenario, backend, timeout_s=timeout_s, extra_env=extra, decode_backend=decode_backend,
         device=device, ib_device=ib_device, protocol=protocol,

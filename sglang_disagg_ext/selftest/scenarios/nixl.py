@@ -137,13 +137,18 @@ class NixlScenario:
     stock_expectation: Callable[[releases.ReleasePolicy], str] = lambda policy: "pass"
     stock_shim: bool = True  # stock runs get the host-memory shim (see module docstring)
     decode_backend_for_ext: Optional[str] = None  # mixed run: ext prefill, this decode
+    fix: str = "F4"
+    # -ext runs get the shim too (F11 on 0.5.23: -ext keeps stock's memory handling).
+    ext_shim: bool = False
+    # A test-only prefill hook in test/support/prefill_faults.py that both runs get ("" = none).
+    prefill_hook: str = ""
 
     def stock_env(self) -> Optional[Dict[str, str]]:
         return {nixl_shim.ENV: "1"} if self.stock_shim else None
 
     def ext_env(self) -> Optional[Dict[str, str]]:
         # A stock decode in a mixed run needs the shim to register host memory.
-        return {nixl_shim.ENV: "1"} if self.decode_backend_for_ext else None
+        return {nixl_shim.ENV: "1"} if self.decode_backend_for_ext or self.ext_shim else None
 
 
 def stock_slice_uses_total_heads() -> bool:

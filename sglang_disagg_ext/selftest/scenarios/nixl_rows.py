@@ -1,6 +1,7 @@
-"""F4 rows of ``sglang-disagg-ext selftest --backend nixl``.
+"""F4 and F11 rows of ``sglang-disagg-ext selftest --backend nixl``.
 
-Every built-in NIXL scenario (``scenarios_nixl``) runs once with the stock
+Every built-in NIXL scenario of the release (``scenarios.nixl`` where F4 is
+live or patched; ``scenarios.nixl_newest`` where F11 is live) runs once with the stock
 ``nixl`` name and once with ``nixl-ext`` through the transfer harness: real
 NIXL over UCX on 127.0.0.1, CPU pools, one process per rank, decode checking
 every element of its heads and the sentinels around them. ``options`` moves
@@ -16,8 +17,14 @@ from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.rows import make_row
 
 
-def _row(name, stock, ext, verified, seconds, **extra) -> Dict:
-    return make_row(name, "F4", "nixl", stock, ext, verified, seconds, **extra)
+def _row(name, stock, ext, verified, seconds, fix: str = "F4", **extra) -> Dict:
+    return make_row(name, fix, "nixl", stock, ext, verified, seconds, **extra)
+
+
+def _with_hook(env: Optional[Dict[str, str]], hooks: Optional[str], hook: str) -> Optional[Dict[str, str]]:
+    if not hook:
+        return env
+    return dict(env or {}, SGLANG_HARNESS_PREFILL_HOOK=f"{hooks}:{hook}")
 
 
 def _verdict(result, passed) -> str:
@@ -53,15 +60,25 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             )
         ]
     from sglang_disagg_ext.selftest.harness.run import run_scenario
-    from sglang_disagg_ext.selftest.scenarios.nixl import builtin_scenarios
+    from sglang_disagg_ext.selftest.runner import prefill_fault_hooks
 
+    from sglang_disagg_ext.selftest.scenarios.nixl_newest import nixl_scenarios
+
+    builtins = nixl_scenarios(policy)
+    hooks = prefill_fault_hooks()
     rows = []
     start_failure = None
-    for builtin in builtin_scenarios():
+    for builtin in builtins:
         if names is not None and builtin.name not in names:
             continue
         if start_failure:
-            rows.append(_row(builtin.name, "fail", "fail", False, 0.0, ext_detail=f"not run: {start_failure}"))
+            rows.append(_row(builtin.name, "fail", "fail", False, 0.0, fix=builtin.fix,
+                             ext_detail=f"not run: {start_failure}"))
+            continue
+        if builtin.prefill_hook and hooks is None:
+            rows.append(_row(builtin.name, "n/a", "n/a", False, 0.0, fix=builtin.fix,
+                             why="no source checkout: the fault hook (test/support/prefill_faults.py) "
+                                 "that makes a registration raise is not in the wheel"))
             continue
         start = time.monotonic()
         scenario = builtin.build()
@@ -70,7 +87,8 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
         elif ext_only:
             stock_verdict = "not run"
         else:
-            stock = run_scenario(scenario, "nixl", timeout_s=timeout_s, extra_env=builtin.stock_env(), **transfer)
+            stock = run_scenario(scenario, "nixl", timeout_s=timeout_s,
+                                 extra_env=_with_hook(builtin.stock_env(), hooks, builtin.prefill_hook), **transfer)
             stock_verdict = _verdict(stock, builtin.passed)
             failure = engine_start_failure(stock)
             if failure:
@@ -79,7 +97,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             scenario,
             "nixl-ext",
             timeout_s=timeout_s,
-            extra_env=builtin.ext_env(),
+            extra_env=_with_hook(builtin.ext_env(), hooks, builtin.prefill_hook),
             decode_backend=builtin.decode_backend_for_ext,
             **transfer,
         )
@@ -94,6 +112,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
                 "pass" if ext_ok else "fail",
                 any(r.bytes_verified for r in ext.requests),
                 time.monotonic() - start,
+                fix=builtin.fix,
                 stock_expected="n/a" if builtin.decode_backend_for_ext else builtin.stock_expectation(policy),
                 ext_detail=None if ext_ok else ext.describe(logs=False),
                 **observed(ext),

@@ -1,0 +1,274 @@
+"""``mori-ext`` on 0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
+
+F3 (per-component state) is upstream in 0.5.23, so nothing of :mod:`backends.mori`
+runs here. SGLang's default ("TCP") metadata path sends each metadata buffer's
+row of a request as an ``AUX_DATA`` message from a per-thread ZMQ socket
+(``send_aux_tcp`` / ``_send_aux_data_to_endpoint`` over ``_connect_threadsafe``,
+0.5.23 mori/conn.py:837-857, :1585-1624) and the room's status from another
+socket (``send_kv_status_message`` over ``_send_multipart_locked``,
+common/conn.py:1709-1716). Two sockets are two TCP connections with no order
+between them, so decode can apply Success before that room's rows are written
+and hand the request a stale metadata row. The decode also drops, with one log
+line, a row whose bytes disagree with their declared length (:1971-1984), and
+writes a row of the wrong size over the next row or short of its tail.
+
+What this module changes:
+
+* **One ordered channel** (prefill, transfer worker): the rows go out on the
+  same per-endpoint socket, under the same lock, as the room's status. The
+  status of a room is sent after its rows (same thread, ``_process_transfer_chunk``
+  concludes after ``_submit_kv_transfer`` returns), ZMQ keeps one socket's
+  messages in order, and decode's one status thread writes each row before it
+  reads the next message: Success is applied only after the rows landed. A stock
+  decode gets the same order (it handles messages one by one too).
+* **Rows checked, never dropped** (``core.aux_rows``): the decode appends its
+  row sizes to its registration; the prefill checks every row of a room against
+  them before sending any, and a mismatch fails the room on both sides (SGLang's
+  ``conclude_failure`` sends Failed with the reason, which names the buffer, the
+  row and both lengths). The decode checks every row it receives the same way
+  and fails the room with the reason instead of writing or dropping it.
+* **Stock prefill refused at registration** (decode): a stock prefill still
+  sends rows and status on two sockets, which this decode cannot put back in
+  order (it does not know whether that prefill sends rows over TCP or through
+  the engine). Before registering, the decode asks the prefill's bootstrap
+  server for ``ORDER_ROUTE`` (served by :class:`MoriOrderedKVBootstrapServer`
+  only) and fails the request with the reason when it is missing.
+
+With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
+waits for them (stock), so only the length check of the prefill path applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.utils import AuxDataCodec
+from sglang.srt.disaggregation.mori import conn as _conn
+from sglang.srt.utils.network import NetworkAddress
+
+from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
+
+logger = logging.getLogger("sglang_disagg_ext.mori")
+
+FIX = "F12"
+ORDER_ROUTE = "/sglang_disagg_ext/mori_aux_order"
+ORDER_VERSION = 1
+PROBE_TIMEOUT_S = 5.0
+# SGLang 0.5.23's registration message: the guard then 17 frames (mori/conn.py:2098-2117).
+STOCK_REGISTRATION_FRAMES = 17
+
+
+class MoriOrderedKVManager(_conn.MoriKVManager):
+    """Stock 0.5.23 MoRI manager with F12; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        """Contract: SGLang builds one manager per scheduler process, on the scheduler
+        thread at startup. The stock constructor starts the bootstrap thread
+        (prefill) or the decode status thread, which call ``_handle_register_message``
+        and ``_handle_aux_data``: every field they read is set before ``super().__init__``.
+        """
+        self._peer_aux_lens: Dict[Tuple[str, int], List[int]] = {}
+        self._peer_aux_lock = threading.Lock()
+        self._prefill_order: Dict[str, Optional[str]] = {}
+        super().__init__(*args, **kwargs)
+        activation_log.announce(type(self).__name__)
+
+    # -- registration --------------------------------------------------------------------------------
+    def build_receiver_registration_message(self) -> List[bytes]:
+        """Stock registration plus one frame with this decode's metadata row sizes.
+
+        Contract: decode scheduler thread, from ``CommonKVReceiver._register_kv_args``
+        the first time this manager meets a prefill. A stock prefill reads the
+        frames by position (``KVArgsRegisterInfo.from_zmq``) and ignores the extra one.
+        """
+        return super().build_receiver_registration_message() + [encode_aux_item_lens(self.kv_args.aux_item_lens)]
+
+    def _handle_register_message(self, payload: List[bytes]) -> None:
+        """Stock registration, then the decode's row sizes if it sent them.
+
+        Contract: prefill bootstrap thread, for each message whose room frame is
+        ``None``; ``payload`` is the message without the guard. Must not raise
+        (stock logs and goes on); a malformed size frame is logged and the peer
+        is served with this side's row sizes as the reference.
+        """
+        super()._handle_register_message(payload)
+        if len(payload) <= STOCK_REGISTRATION_FRAMES:
+            return  # stock decode
+        try:
+            lens = decode_aux_item_lens(payload[STOCK_REGISTRATION_FRAMES])
+            key = (payload[1].decode("ascii"), int(payload[2].decode("ascii")))
+        except (AuxRowError, ValueError, UnicodeDecodeError) as exc:
+            logger.error("mori-ext: decode registration carries an unreadable metadata row-size frame: %s", exc)
+            return
+        if lens is not None:
+            with self._peer_aux_lock:
+                self._peer_aux_lens[key] = lens
+
+    # -- prefill: rows on the status channel -------------------------------------------------------------
+    def send_aux_tcp(self, peer_info, prefill_aux_index: int, dst_aux_index: int, room: int):
+        """Stock ``send_aux_tcp`` (0.5.23 mori/conn.py:1585-1608), rows checked, then
+        sent on the status socket.
+
+        Contract: prefill transfer worker, from ``_submit_kv_transfer`` for the
+        last chunk of ``room`` (also from ``send_aux_rdma`` when the engine path
+        cannot serve the peer); the room's status is concluded by the caller
+        after this returns. Returns no ``TransferStatus`` (as stock). Must not
+        raise for a bad row: the room is concluded Failed with the reason and
+        nothing is sent.
+        """
+        with self._peer_aux_lock:
+            dst_lens = self._peer_aux_lens.get((peer_info.endpoint, peer_info.dst_port))
+        num_bufs = min(len(self.kv_args.aux_data_ptrs), len(peer_info.dst_aux_mem_descs))
+        rows = []
+        for i in range(num_bufs):
+            length = self.kv_args.aux_item_lens[i]
+            data = AuxDataCodec.serialize_data_from_buffer(
+                self.kv_args.aux_data_ptrs[i] + length * prefill_aux_index, length
+            )
+            expected = length if dst_lens is None else (dst_lens[i] if i < len(dst_lens) else None)
+            problem = aux_row_problem(i, dst_aux_index, len(data), expected, sender_len=length)
+            if problem is not None:
+                self._fail_room(room, problem, "prefill")
+                return []
+            rows.append((i, data))
+        na = NetworkAddress(peer_info.endpoint, peer_info.dst_port)
+        for i, data in rows:
+            self._send_multipart_locked(
+                na.to_tcp(),
+                [
+                    _conn.MoriKVManager.AUX_DATA_HEADER,
+                    str(room).encode("ascii"),
+                    str(i).encode("ascii"),
+                    str(dst_aux_index).encode("ascii"),
+                    struct.pack(">I", len(data)),
+                    data,
+                ],
+                is_ipv6=na.is_ipv6,
+            )
+        return []
+
+    # -- decode: rows checked ------------------------------------------------------------------------------
+    def _handle_aux_data(self, msg: List[bytes]):
+        """Stock ``_handle_aux_data`` (:1971-1985) with every row checked before it is written.
+
+        Contract: decode status thread, for each ``AUX_DATA`` message, in the
+        order the prefill's socket delivered them (before that prefill's status
+        for the room). Must not raise on a bad message; a row that does not fit
+        fails its room here (decode) with the reason and is not written.
+        """
+        try:
+            room = int(msg[1].decode("ascii"))
+            buffer_index = int(msg[2].decode("ascii"))
+            row = int(msg[3].decode("ascii"))
+            (declared,) = struct.unpack(">I", msg[4])
+            data = msg[5]
+        except (IndexError, ValueError, UnicodeDecodeError, struct.error) as exc:
+            logger.error("mori-ext: unreadable metadata row message (%d frames): %s", len(msg), exc)
+            return
+        args = self.kv_args
+        row_len = args.aux_item_lens[buffer_index] if 0 <= buffer_index < len(args.aux_item_lens) else None
+        num_rows = args.aux_data_lens[buffer_index] // row_len if row_len else None
+        problem = aux_row_problem(buffer_index, row, len(data), row_len, declared_len=declared, num_rows=num_rows)
+        if problem is not None:
+            self._fail_room(room, problem, "decode")
+            return
+        AuxDataCodec.deserialize_data_to_buffer(args, buffer_index, row, data)
+
+    def _fail_room(self, room: int, problem: str, side: str) -> None:
+        reason = f"mori-ext (F12) {side}: {problem}"
+        logger.error("room %s: %s", room, reason)
+        metrics.count("transfer_failures_total", fix=FIX, reason="metadata_row_length")
+        if room not in self.request_status:
+            return  # cleared: a record now would be adopted by a later room of that number
+        if side == "prefill":
+            self.conclude_failure(bootstrap_room=room, failure_reason=reason)  # tells decode too
+        else:
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+
+    # -- decode: is the prefill on the ordered channel? -------------------------------------------------
+    def prefill_order_problem(self, bootstrap_addr: str) -> Optional[str]:
+        """``None`` when the prefill behind ``bootstrap_addr`` runs F12 (or cannot be
+        asked right now), else why this decode must not register there."""
+        if bootstrap_addr in self._prefill_order:
+            return self._prefill_order[bootstrap_addr]
+        import requests
+
+        url = f"http://{bootstrap_addr}{ORDER_ROUTE}"
+        try:
+            response = requests.get(url, timeout=PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - unreachable: SGLang's own checks report it
+            logger.warning("mori-ext: cannot ask %s whether it orders metadata (%s); asking again", url, exc)
+            return None
+        if response.status_code == 404:
+            problem = (
+                f"the prefill behind bootstrap server {bootstrap_addr} runs stock `mori`, which sends "
+                "metadata rows and the room's status on two sockets (SGLang mori/conn.py send_aux_tcp): "
+                "this decode could report Success before the metadata lands. Start the prefill with "
+                "--disaggregation-transfer-backend mori-ext too"
+            )
+        elif response.status_code == 200:
+            try:
+                version = response.json().get("aux_order_version")
+            except Exception:  # noqa: BLE001
+                version = None
+            problem = None if version == ORDER_VERSION else (
+                f"the prefill behind bootstrap server {bootstrap_addr} speaks metadata order v{version}, "
+                f"this decode v{ORDER_VERSION}: run the same sglang_disagg_ext on both sides"
+            )
+        else:
+            logger.warning("mori-ext: %s answered %s; asking again next request", url, response.status_code)
+            return None
+        self._prefill_order[bootstrap_addr] = problem
+        if problem:
+            logger.error("mori-ext: %s", problem)
+        return problem
+
+
+class MoriOrderedKVReceiver(_conn.MoriKVReceiver):
+    def init(self, prefill_dp_rank: int):
+        """Contract: decode scheduler thread, once per request, once the prefill DP
+        rank is known. The probe before stock ``init`` blocks at most
+        ``PROBE_TIMEOUT_S`` and is cached per prefill after a definite answer.
+        Never raises: a refused prefill ends the request Failed with the reason.
+        """
+        problem = self.kv_mgr.prefill_order_problem(self.bootstrap_addr)
+        if problem is not None:
+            if self.bootstrap_room is not None:
+                self.kv_mgr.record_failure(self.bootstrap_room, f"mori-ext refused at registration: {problem}")
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            metrics.count("requests_refused_total", fix=FIX, reason="stock_prefill")
+            self.conclude_state = KVPoll.Failed
+            return
+        super().init(prefill_dp_rank)
+
+
+class MoriOrderedKVBootstrapServer(_conn.MoriKVBootstrapServer):
+    """SGLang's bootstrap server plus ``ORDER_ROUTE``: a decode can tell this
+    prefill sends metadata rows ahead of the status on one channel."""
+
+    def _setup_routes(self):
+        """Contract: stock ``CommonKVBootstrapServer.__init__`` calls it once, in the
+        prefill's tokenizer-manager process, before the server thread starts.
+        Only add routes; keep stock's.
+        """
+        super()._setup_routes()
+        self.app.router.add_get(ORDER_ROUTE, self._handle_order)
+
+    async def _handle_order(self, request):
+        from aiohttp import web
+
+        return web.json_response({"plugin": "sglang_disagg_ext", "backend": "mori-ext", "aux_order_version": ORDER_VERSION})
+
+
+def ext_classes() -> Dict[str, type]:
+    return {
+        "MoriKVManager": MoriOrderedKVManager,
+        "MoriKVReceiver": MoriOrderedKVReceiver,
+        "MoriKVBootstrapServer": MoriOrderedKVBootstrapServer,
+    }

@@ -1,0 +1,256 @@
+"""``nixl-ext`` on 0.5.23 (F11): stock ``NixlKVManager`` with three narrow changes.
+
+F4 (head slices, notification keys, memory kinds) is upstream in 0.5.23, so
+nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
+
+* **Registration check** (``_add_remote_peer``, bootstrap thread): before stock
+  registers a decode whose attention TP size differs (non-MLA, no DCP relayout),
+  its KV and each SWA state component are checked with
+  ``core.head_slice.check_head_sliced_pair``. A layout that cannot be sliced is
+  refused with one error naming the component, both TP sizes and the head
+  counts; stock instead asserts in ``_init_hetero_tp_prep_handle``
+  (0.5.23 nixl/conn.py:1311), which kills the bootstrap thread, and every room
+  then waits out SGLang's timeouts on both sides.
+* **Thread survival**: any other exception stock raises while registering a
+  decode (NIXL, memory kinds, ...) is logged with its traceback, counted in
+  ``thread_recoveries_total{role="prefill",thread="bootstrap"}``, and that
+  decode is refused with the exception as the reason; the bootstrap thread
+  goes on (stock logs and re-raises, :3415-3426).
+  A refused decode's rooms end Failed at once on both sides: when the
+  bootstrap thread marks such a room ready (``update_status(WaitingForInput)``)
+  it is concluded Failed instead, which tells decode through SGLang's own
+  status message; a room that became ready before prefill created it is
+  failed when the scheduler sends its first chunk (``add_transfer_request``).
+* **SWA page lists** (``maybe_send_extra``, transfer worker): prefill's and
+  decode's SWA page lists of one request are aligned the way 0.5.23's Mooncake
+  aligns them (mooncake/conn.py:2145-2161: SWA is not positional, so the
+  longer list is cut to the shorter one's length, leading pages kept; the
+  pure rule is ``core.state_plan.align_state_indices``), on copies. Stock NIXL
+  fails the request instead: "Head-sliced PD transfer page count mismatch"
+  (common/conn.py:1802-1806) across TP sizes, "State index length mismatch"
+  (nixl/conn.py:3230-3233) at equal TP, after the KV pages already went out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
+from sglang_disagg_ext.core.rate_limit import EveryInterval
+from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
+from sglang_disagg_ext.core.thread_survival import root_cause
+
+logger = logging.getLogger("sglang_disagg_ext.nixl")
+# A trim repeats on every request of an affected model: one WARNING per
+# component a minute, as mooncake-ext does for F1.
+_TRIMS_LOGGED = EveryInterval(60.0)
+
+
+class NixlNewestKVManager(NixlKVManager):
+    """Stock 0.5.23 NIXL manager with F11; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        """Contract: SGLang builds one manager per scheduler process, on the scheduler
+        thread at startup (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
+        ``._init_kv_manager``). The stock constructor starts the bootstrap thread
+        (prefill), which calls ``_add_remote_peer`` and ``update_status``: every
+        field they read is set before ``super().__init__``.
+        """
+        self._f11_lock = threading.Lock()
+        # decode agent name -> (its TP rank, why it cannot be served), refused at registration
+        self._f11_refused: Dict[str, Tuple[int, str]] = {}
+        super().__init__(*args, **kwargs)
+        activation_log.announce(type(self).__name__)
+
+    # -- registration (bootstrap thread) -------------------------------------------------
+    def _add_remote_peer(self, decode_kv_args):
+        """Stock registration, after the head-slice check; never raises.
+
+        Contract: stock ``bootstrap_thread`` calls it on prefill for every
+        registration message (room ``None``) of a decode rank, parsed by
+        ``KVArgsRegisterInfo.from_zmq``; an agent name already in
+        ``decode_kv_args_table`` is ignored by stock. It runs on the one
+        bootstrap thread that also serves every other decode's messages, so it
+        must not raise (stock's raise ends that thread) and must not block.
+        """
+        name = decode_kv_args.agent_name
+        if self.disaggregation_mode != DisaggregationMode.PREFILL or name in self.decode_kv_args_table:
+            return super()._add_remote_peer(decode_kv_args)
+        rank = getattr(decode_kv_args, "decode_tp_rank", -1)
+        try:
+            rank = int(rank)
+            self._f11_check_pair(decode_kv_args)
+        except HeadLayoutError as exc:
+            self._f11_refuse(name, rank, f"decode TP rank {rank} refused at registration: {exc}")
+            return None
+        except Exception as exc:  # noqa: BLE001 - a bug in the check must not end the thread either
+            self._f11_registration_raised(name, rank, exc)
+            return None
+        try:
+            return super()._add_remote_peer(decode_kv_args)
+        except Exception as exc:  # noqa: BLE001 - keep the bootstrap thread alive; refuse this decode
+            self._f11_registration_raised(name, rank, exc)
+            return None
+
+    def _f11_check_pair(self, info) -> None:
+        """Raise HeadLayoutError where stock would slice heads it cannot slice."""
+        decode_tp = int(info.decode_tp_size)
+        if (
+            self.is_mla_backend
+            or getattr(self, "is_hybrid_mla_backend", False)
+            or decode_tp == self.attn_tp_size
+            or self.requires_dcp_relayout(info.dst_dcp_size, info.dst_dcp_rank)
+        ):
+            return  # stock sends whole pages here: no head slice
+        kv_args = self.kv_args
+        heads = resolve_total_kv_heads(
+            getattr(kv_args, "total_kv_head_num", None), kv_args.kv_head_num, self.attn_tp_size
+        )
+        page = kv_args.page_size
+        # Stock slices every KV region with the first item length (nixl/conn.py:1305-1312).
+        check_head_sliced_pair(
+            "KV", self.attn_tp_size, decode_tp, heads, page, [(kv_args.kv_item_lens[0], info.dst_kv_item_len)]
+        )
+        dst_state_lens = getattr(info, "dst_state_item_lens", None) or []
+        for i, st in enumerate(getattr(kv_args, "state_types", None) or []):
+            if state_kind_name(st) != "swa" or i >= len(kv_args.state_item_lens):
+                continue
+            # SWA state is sliced with the model's KV head count (common/conn.py:1809-1832).
+            src = list(kv_args.state_item_lens[i] or [])
+            dst = list(dst_state_lens[i] or []) if i < len(dst_state_lens) else []
+            if len(src) != len(dst):
+                raise HeadLayoutError(
+                    f"SWA state (component {i}) cannot be head-sliced from prefill TP {self.attn_tp_size} "
+                    f"to decode TP {decode_tp}: prefill has {len(src)} buffers, decode {len(dst)}"
+                )
+            check_head_sliced_pair(f"SWA state (component {i})", self.attn_tp_size, decode_tp, heads, page,
+                                   list(zip(src, dst)))
+
+    def _f11_registration_raised(self, name: str, rank, exc: BaseException) -> None:
+        root = root_cause(exc)
+        logger.exception("nixl-ext: registering decode %s (TP rank %s) raised; refusing it, the bootstrap "
+                         "thread keeps serving", name, rank)
+        metrics.count("thread_recoveries_total", role="prefill", thread="bootstrap")
+        self._f11_refuse(
+            name, rank, f"decode TP rank {rank} refused: its registration raised {type(root).__name__}: {root}"
+        )
+
+    def _f11_refuse(self, name: str, rank, reason: str) -> None:
+        rank = rank if isinstance(rank, int) else -1  # the sort key of _f11_room_refusal
+        with self._f11_lock:
+            self._f11_refused[name] = (rank, reason)
+        logger.error("nixl-ext: decode %s: %s", name, reason)
+
+    def _f11_room_refusal(self, room: int) -> Optional[str]:
+        """The refusal of the lowest refused decode rank this room sends to (None: none refused)."""
+        if not self._f11_refused:
+            return None
+        # Snapshot: the bootstrap thread may add a late peer while we walk it.
+        refusals = [
+            self._f11_refused[info.agent_name]
+            for info in list((self.transfer_infos.get(room) or {}).values())
+            if not getattr(info, "is_dummy", False) and info.agent_name in self._f11_refused
+        ]
+        # The lowest rank's, so both sides of every room name the same one.
+        return min(refusals)[1] if refusals else None
+
+    def _f11_fail_room(self, room: int, reason: str) -> None:
+        metrics.count("requests_refused_total", fix="F11", reason="decode refused at registration")
+        # SGLang's own conclusion: records the reason, marks the room Failed and
+        # sends Failed with the reason to every decode rank of the room.
+        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
+    # -- rooms ---------------------------------------------------------------------------
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        """Stock, except that a ready room of a refused decode concludes Failed instead.
+
+        Contract: called from every thread of the manager (scheduler: sender
+        init/abort; bootstrap thread: a room's decode infos are complete ->
+        ``WaitingForInput``; transfer workers: progress and conclusions). Only
+        that bootstrap-thread case is changed, and only for a room already
+        created by its sender (stock refuses to resurrect a room it has not
+        seen); it must not raise or block.
+        """
+        if (
+            status == KVPoll.WaitingForInput
+            and self._f11_refused
+            and bootstrap_room in self.request_status
+            and self.request_status.get(bootstrap_room) != KVPoll.Failed
+        ):
+            reason = self._f11_room_refusal(bootstrap_room)
+            if reason is not None:
+                self._f11_fail_room(bootstrap_room, reason)
+                return None
+        return super().update_status(bootstrap_room, status)
+
+    def add_transfer_request(self, bootstrap_room: int, *args, **kwargs):
+        """Stock, but a room of a refused decode concludes Failed instead of being queued.
+
+        Contract: prefill scheduler thread, ``NixlKVSender.send`` per chunk. The
+        room reaches it only when it became ready before its sender existed
+        (``update_status`` could not fail it then). Stock would queue the chunk
+        for a transfer worker, which asserts the decode is registered. Never raise.
+        """
+        reason = self._f11_room_refusal(bootstrap_room)
+        if reason is not None:
+            if self.request_status.get(bootstrap_room) != KVPoll.Failed:
+                self._f11_fail_room(bootstrap_room, reason)
+            return None
+        return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+
+    # -- SWA page lists (transfer worker) ------------------------------------------------------
+    def maybe_send_extra(self, peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices,
+                         *args, **kwargs):
+        """Stock, on SWA page lists aligned as 0.5.23 Mooncake aligns them.
+
+        Contract: prefill only, on a ``transfer_worker`` thread, for a room's last
+        chunk with ``state_indices``, once per non-dummy decode rank after its KV
+        handles were posted; returns stock's generator of NIXL handles, which
+        the worker drains. ``prefill_state_indices`` (shared by every decode rank
+        of the room) and ``dst_state_indices`` (decode's ``send_metadata``
+        payload) are never mutated: the aligned lists are copies. Other state
+        kinds pass through as stock sends them.
+        """
+        src, dst = self._f11_align_swa(prefill_state_indices, dst_state_indices)
+        return super().maybe_send_extra(peer_name, src, dst_state_data_ptrs, dst, *args, **kwargs)
+
+    def _f11_align_swa(self, prefill_state_indices, dst_state_indices):
+        state_types = list(getattr(self.kv_args, "state_types", None) or [])
+        src_out: Optional[List] = None
+        dst_out: Optional[List] = None
+        for i, st in enumerate(state_types):
+            if state_kind_name(st) != "swa":
+                continue
+            if prefill_state_indices is None or i >= len(prefill_state_indices) or dst_state_indices is None:
+                continue
+            src_i = prefill_state_indices[i]
+            dst_i = dst_state_indices[i] if i < len(dst_state_indices) else None
+            if src_i is None or dst_i is None or len(src_i) == len(dst_i):
+                continue
+            src_a, dst_a = align_state_indices(src_i, dst_i)
+            if src_out is None:
+                src_out, dst_out = list(prefill_state_indices), list(dst_state_indices)
+            src_out[i], dst_out[i] = src_a.tolist(), dst_a.tolist()
+            _log_trim(ComponentPlan(i, "swa", Route.PAGED, src_a, dst_a, len(src_i), len(dst_i)))
+        if src_out is None:
+            return prefill_state_indices, dst_state_indices
+        return src_out, dst_out
+
+
+def _log_trim(plan: ComponentPlan) -> None:
+    metrics.count("state_trims_total", component=plan.component, kind=plan.kind)
+    held = _TRIMS_LOGGED.admit((plan.component, plan.kind))
+    if held is None:
+        logger.debug(plan.describe_trim())
+    elif held:
+        logger.warning("%s (%d more trims of this component in the last %.0f s not logged)",
+                       plan.describe_trim(), held, _TRIMS_LOGGED.interval_s)
+    else:
+        logger.warning(plan.describe_trim())

@@ -1,0 +1,204 @@
+"""F11 scenarios: NIXL on 0.5.23, prefill and decode TP sizes differ (non-MLA, head-sliced path).
+
+One process per rank, real UCX over 127.0.0.1, CPU pools registered through the
+harness's host-memory shim on both sides (``harness/nixl_shim.py``: 0.5.23's
+stock memory handling, which F11 keeps, refuses host memory across TP sizes
+before any code F11 is about runs). Expected texts are written out by hand:
+
+* **SWA page lists of different lengths** (``swa_unequal``): request 0 sends
+  SWA pages [1, 2, 3] to decode pages [4, 5], request 1 [7] to [9, 10],
+  request 2 [8] to [11] (equal: the control). 0.5.23 Mooncake cuts the longer
+  list to the shorter one's length, leading pages kept (mooncake/conn.py:
+  2145-2161); stock NIXL fails requests 0 and 1 on every rank with
+  "Head-sliced PD transfer page count mismatch: prefill=3, decode=2" and
+  "... prefill=1, decode=2" (common/conn.py:1802-1806). ``-ext``: all three
+  Success, decode holds prefill page 1 -> 4, 2 -> 5, 7 -> 9 (the harness
+  verifies the first min(len) pairs per head, every other page the sentinel).
+  At equal TP (1 -> 1) stock fails the same lists with "State index length
+  mismatch at component 0: prefill=3, dst=2" (nixl/conn.py:3230-3233).
+* **3 KV heads, prefill TP 1 -> decode TP 2** (``three_heads``): no head
+  split exists (3 % 2 = 1). Stock asserts in ``_init_hetero_tp_prep_handle``
+  (nixl/conn.py:1311) on the bootstrap thread, which dies; both requests end
+  only through SGLang's timeouts. ``-ext``: refused at registration; both
+  requests Failed on both sides at once with :func:`three_heads_reason`.
+* **SWA pool with 1 head under a 2-head model, prefill TP 2 -> decode TP 1**
+  (``swa_heads``): stock slices SWA with the model's KV head count and fails
+  each request at transfer time ("KV item lengths (prefill=64, decode=64) do
+  not split into 1 and 2 heads of 2 total with page_size=4",
+  common/conn.py:1825-1833) after its KV pages went out. ``-ext``: refused at
+  registration naming the SWA component: 64-byte pages of 4 tokens hold 16
+  bytes per head with 1 head per prefill rank, 8 with 2 heads per decode rank.
+* **A registration that raises** (``registration_fault``, test-only prefill
+  hook ``raise_in_registration``: stock ``_add_remote_peer``'s
+  ``_prepare_payload_xfer`` call raises once, for decode TP rank 0): stock's
+  bootstrap thread dies (``InjectedFault`` in the thread errors) and both
+  requests time out; ``-ext`` refuses that decode rank with the exception in
+  the reason, both requests Failed on both sides at once, and the thread goes
+  on (decode rank 1's registration and both rooms' messages are served after
+  the fault: otherwise no room could conclude).
+"""
+
+from __future__ import annotations
+
+from sglang_disagg_ext.selftest.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+)
+from sglang_disagg_ext.selftest.scenarios.nixl import NixlScenario, builtin_scenarios
+
+# SGLang's own timeouts short: a stock room nobody concludes ends in 5 s.
+TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=5.0, sglang_bootstrap_s=5.0)
+# -ext concludes refused rooms at once; well under SGLang's 5 s.
+FAILED_WITHIN_S = 2.5
+HEAD_DIM = 8  # bf16: 16 bytes per head per token
+PREFILL_HOOK = "raise_in_registration"
+
+
+def swa_unequal(p: int, d: int) -> Scenario:
+    return Scenario(
+        name=f"nixl swa unequal lists tp{p}->tp{d}",
+        requests=[
+            RequestSpec([1, 2], [3, 4], aux_index=0, dst_aux_index=1, state=[StateSpec("swa", [1, 2, 3], [4, 5])]),
+            RequestSpec([5], [6], aux_index=1, dst_aux_index=2, state=[StateSpec("swa", [7], [9, 10])]),
+            RequestSpec([6], [7], aux_index=2, dst_aux_index=3, state=[StateSpec("swa", [8], [11])]),
+        ],
+        kv=KVPoolSpec(num_pages=8, head_num=2, head_dim=HEAD_DIM),
+        state_pools=[StatePoolSpec(kind="swa", num_pages=12, head_num=2, head_dim=HEAD_DIM)],
+        prefill_tp=p,
+        decode_tp=d,
+        timeouts=TIMEOUTS,
+    )
+
+
+# Stock's per-request signature for requests 0 and 1 of swa_unequal.
+def stock_swa_mismatch(p: int, d: int, index: int) -> str:
+    src, dst = ((3, 2), (1, 2))[index]
+    if p == d:
+        return f"State index length mismatch at component 0: prefill={src}, dst={dst}"
+    return f"Head-sliced PD transfer page count mismatch: prefill={src}, decode={dst}"
+
+
+TRIM_LINE = (
+    "state component 0 (swa): len(prefill_state_indices)=3, len(dst_state_indices)=2; "
+    "sending the first 2 pages (prefill side trimmed)"
+)
+
+
+def three_heads() -> Scenario:
+    return Scenario(
+        name="nixl 3 kv heads tp1->tp2",
+        requests=[
+            RequestSpec([1, 2, 3], [5, 6, 7], aux_index=1, dst_aux_index=2),
+            RequestSpec([4], [3], aux_index=2, dst_aux_index=3),
+        ],
+        kv=KVPoolSpec(num_pages=9, head_num=3, head_dim=HEAD_DIM),
+        hidden_size=96,  # a multiple of the 3 heads (SGLang's model config checks it)
+        prefill_tp=1,
+        decode_tp=2,
+        timeouts=TIMEOUTS,
+    )
+
+
+def three_heads_reason() -> str:
+    return (
+        "decode TP rank 0 refused at registration: KV cannot be head-sliced from prefill TP 1 to decode TP 2 "
+        "with 3 KV heads (3 per prefill rank, 1 per decode rank): decode TP size 2 does not divide the 3 KV "
+        "heads (3 % 2 = 1)"
+    )
+
+
+def swa_heads() -> Scenario:
+    return Scenario(
+        name="nixl swa pool heads differ tp2->tp1",
+        requests=[
+            RequestSpec([1, 2], [3, 4], aux_index=0, dst_aux_index=1, state=[StateSpec("swa", [1, 2], [4, 5])]),
+        ],
+        kv=KVPoolSpec(num_pages=8, head_num=2, head_dim=HEAD_DIM),
+        state_pools=[StatePoolSpec(kind="swa", num_pages=12, head_num=1, head_dim=HEAD_DIM)],
+        prefill_tp=2,
+        decode_tp=1,
+        timeouts=TIMEOUTS,
+    )
+
+
+SWA_HEADS_REASON = (
+    "decode TP rank 0 refused at registration: SWA state (component 0) cannot be head-sliced from prefill TP 2 "
+    "to decode TP 1 with 2 KV heads (1 per prefill rank, 2 per decode rank): buffer 0: one head is 16 bytes "
+    "per token on prefill but 8 on decode"
+)
+STOCK_SWA_HEADS = "KV item lengths (prefill=64, decode=64) do not split into 1 and 2 heads of 2 total with page_size=4"
+
+
+def registration_fault() -> Scenario:
+    return Scenario(
+        name="nixl registration raises tp1->tp2",
+        requests=[
+            RequestSpec([1, 2], [5, 6], aux_index=1, dst_aux_index=2),
+            RequestSpec([3], [7], aux_index=2, dst_aux_index=3),
+        ],
+        kv=KVPoolSpec(num_pages=9, head_num=2, head_dim=HEAD_DIM),
+        prefill_tp=1,
+        decode_tp=2,
+        timeouts=TIMEOUTS,
+    )
+
+
+FAULT = "injected fault: registration of decode TP rank 0"
+REGISTRATION_FAULT_REASON = f"decode TP rank 0 refused: its registration raised InjectedFault: {FAULT}"
+
+
+# -- selftest rows (``scenarios.nixl_rows`` on a release where F11 is live) ------------------
+
+
+def refused_ok(want: str):
+    """Passed: every request Failed on both sides with ``want`` in both reasons, decode within
+    FAILED_WITHIN_S (not SGLang's timeouts), nothing written outside the targeted pages."""
+
+    def passed(result) -> bool:
+        if result.error or not result.requests:
+            return False
+        for r in result.requests:
+            if r.prefill_status != "Failed" or r.decode_status != "Failed":
+                return False
+            if want not in (r.prefill_failure_reason or "") or want not in (r.decode_failure_reason or ""):
+                return False
+            if r.decode_seconds is None or r.decode_seconds >= FAILED_WITHIN_S:
+                return False
+            if any("must be untouched" in m for m in r.mismatches):
+                return False
+        return True
+
+    return passed
+
+
+def _all_ok(result) -> bool:
+    return result.ok
+
+
+def _stock_fails_where_live(policy) -> str:
+    return "fail" if policy.is_live("F11") else "pass"
+
+
+def _rows():
+    def row(name, build, passed, **kw):
+        return NixlScenario(name, build, passed, _stock_fails_where_live, fix="F11", ext_shim=True, **kw)
+
+    out = [row(f"swa unequal page lists tp{p}->tp{d}", lambda p=p, d=d: swa_unequal(p, d), _all_ok)
+           for p, d in ((2, 1), (1, 2), (1, 1))]
+    out.append(row("3 kv heads tp1->tp2 refused at registration", three_heads, refused_ok(three_heads_reason())))
+    out.append(row("swa heads differ tp2->tp1 refused at registration", swa_heads, refused_ok(SWA_HEADS_REASON)))
+    out.append(row("registration raises tp1->tp2", registration_fault, refused_ok(REGISTRATION_FAULT_REASON),
+                   prefill_hook=PREFILL_HOOK))
+    return out
+
+
+SCENARIOS = _rows()
+
+
+def nixl_scenarios(policy) -> list:
+    """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.23), else F4's."""
+    return list(SCENARIOS) if policy.is_live("F11") else builtin_scenarios()

@@ -1,0 +1,191 @@
+"""mori-ext (F12) on 0.5.23: metadata rows ahead of their room's status, rows of the wrong length fail the room.
+
+Engine boundary as in ``test_mori_ext.py``: SGLang's real MoRI backend
+(managers, bootstrap server, TCP metadata path, status messages) in the two
+harness processes, with only the MoRI IO engine replaced, at the ``mori.io`` /
+``mori.cpp`` names SGLang imports, by ``test/support/mori_standin``. These
+runs use SGLang's default metadata path (no ``SGLANG_MORI_SEND_AUX_RDMA``).
+
+Injection (``test/support/aux_wire.py``, prefill hooks):
+
+* ``delay_aux_rows`` at the boundary between SGLang and the wire, ZMQ's
+  ``Socket.send_multipart``: a metadata-row message (first frame ``AUX_DATA``)
+  leaves its socket 30 ms late and later messages on that socket queue behind
+  it (one socket = one ordered TCP connection). Stock sends the row from a
+  per-thread socket and the status from another (0.5.23 mori/conn.py:837-857,
+  :1610-1624; common/conn.py:1709-1716), so decode sees Success with its row
+  still the sentinel; ``-ext`` sends both on one socket.
+* ``shorter_aux_rows``: the prefill's row size of metadata buffer 1 set to
+  60 bytes before any request; decode's stays 64 (the harness's metadata
+  buffer 1 has 64-byte rows).
+
+The in-process tests call SGLang's and the plugin's ``_handle_aux_data`` on a
+manager object holding real numpy rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+import sys
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import require_or_skip
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest.scenarios import mori as selftest_mori
+from sglang_disagg_ext.selftest.scenarios import mori_newest as f12
+
+POLICY = releases.current_policy()
+F12 = POLICY.fixes.get("F12")
+LIVE = F12 is releases.FixStatus.LIVE
+STANDIN = selftest_mori.standin_dir()
+EXT_MANAGER = "sglang_disagg_ext.backends.mori_newest.MoriOrderedKVManager"
+STOCK_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"
+
+needs_live = pytest.mark.skipif(not LIVE, reason=f"F12 is {F12.value if F12 else 'unknown'} on SGLang {POLICY.version}")
+
+
+@pytest.mark.timeout(10)
+def test_f12_status_matches_the_release_table():
+    """Every wheel 0.5.10.post1-0.5.23 has the TCP metadata path on separate sockets and
+    the silent drop (read in /tmp/wh/*/mori/conn.py); proven, so live, on 0.5.23 only."""
+    if POLICY.version == "0.5.23":
+        assert LIVE and POLICY.routes("mori")
+    elif POLICY.supported:
+        assert F12 is releases.FixStatus.UNCOVERED
+    assert releases.FIX_BACKEND["F12"] == "mori"
+
+
+def _standin_or_skip():
+    ok, detail = selftest_mori.standin_usable()
+    require_or_skip("the MoRI stand-in (test/support/mori_standin)", ok, f"cannot copy between processes here: {detail}")
+
+
+@pytest.mark.engine
+@needs_live
+@pytest.mark.timeout(300)
+def test_stock_reports_success_before_the_metadata_lands_ext_never():
+    _standin_or_skip()
+    scn = f12.aux_order()
+    assert len(scn.requests) >= 200
+    stock = f12.run(scn, "mori", "delay_aux_rows")
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe(logs=False)
+    stale = [r for r in stock.requests if f12.stale_rows(r)]
+    # The bug's signature: decode polled Success while its metadata row was the sentinel.
+    assert stale, stock.describe(logs=False)
+    assert any("aux buffer 0 page 0: expected prefill page 0's bytes, found the sentinel" in m
+               for m in stock.requests[0].mismatches), stock.describe(logs=False)
+
+    ext = f12.run(scn, "mori-ext", "delay_aux_rows")
+    assert ext.prefill_manager == EXT_MANAGER == ext.decode_manager, ext.describe(logs=False)
+    assert len(ext.requests) == len(scn.requests)
+    for r in ext.requests:
+        assert (r.prefill_status, r.decode_status) == ("Success", "Success"), ext.describe(logs=False)
+        assert r.bytes_verified and r.mismatches == [], ext.describe(logs=False)
+    assert ext.ok
+
+
+@pytest.mark.engine
+@needs_live
+@pytest.mark.timeout(300)
+def test_short_metadata_row_fails_on_both_sides():
+    _standin_or_skip()
+    scn = f12.short_row()
+    stock = f12.run(scn, "mori", "shorter_aux_rows")
+    (s,) = stock.requests
+    # Stock: 60 bytes written over decode's 64-byte row, Success on both sides.
+    assert (s.prefill_status, s.decode_status) == ("Success", "Success"), stock.describe(logs=False)
+    assert any(m.startswith("aux buffer 1 page 5:") and "4/64 bytes still sentinel" in m for m in s.mismatches), \
+        stock.describe(logs=False)
+
+    ext = f12.run(scn, "mori-ext", "shorter_aux_rows")
+    (e,) = ext.requests
+    reason = "metadata (aux) buffer 1, row 5: 60 bytes sent, decode row is 64 bytes"
+    assert (e.prefill_status, e.decode_status) == ("Failed", "Failed"), ext.describe(logs=False)
+    assert reason in e.prefill_failure_reason and reason in e.decode_failure_reason, ext.describe(logs=False)
+    assert e.decode_seconds is not None and e.decode_seconds < 2, ext.describe(logs=False)  # not a timeout
+    # No metadata row was written (KV pages did go out before the row check).
+    aux = [m for m in e.mismatches if m.startswith("aux ")]
+    assert aux and all("found the sentinel" in m for m in aux), ext.describe(logs=False)
+    assert not any("must be untouched" in m for m in e.mismatches), ext.describe(logs=False)
+
+
+# -- decode side, in process ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conn_modules():
+    assert STANDIN is not None
+    sys.path.insert(0, STANDIN)
+    importlib.invalidate_caches()
+    try:
+        stock = importlib.import_module("sglang.srt.disaggregation.mori.conn")
+        ext = importlib.import_module("sglang_disagg_ext.backends.mori_newest")
+        yield stock, ext
+    finally:
+        sys.path.remove(STANDIN)
+        for name in list(sys.modules):
+            if name == "mori" or name.startswith("mori.") or name.startswith("sglang.srt.disaggregation.mori") \
+                    or name.startswith("sglang_disagg_ext.backends.mori"):
+                del sys.modules[name]
+        importlib.invalidate_caches()
+
+
+def _decode_manager(cls):
+    """A decode manager object with two metadata buffers of 4 rows (8 and 16 bytes), all 0xEE."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    bufs = [np.full(32, 0xEE, dtype=np.uint8), np.full(64, 0xEE, dtype=np.uint8)]
+    mgr = object.__new__(cls)
+    mgr.kv_args = SimpleNamespace(
+        aux_data_ptrs=[b.ctypes.data for b in bufs], aux_data_lens=[32, 64], aux_item_lens=[8, 16]
+    )
+    mgr.request_status = {9: KVPoll.WaitingForInput}
+    mgr.failure_records, mgr.failure_lock = {}, threading.Lock()
+    mgr.deferred_bootstrap = None
+    mgr._deferred_ack_targets, mgr._deferred_ack_poisoned_rooms, mgr._staging_outstanding = {}, set(), {}
+    return mgr, bufs
+
+
+def _row_message(buffer_index, row, data, declared=None):
+    declared = len(data) if declared is None else declared
+    return [b"AUX_DATA", b"9", str(buffer_index).encode(), str(row).encode(), struct.pack(">I", declared), data]
+
+
+@needs_live
+@pytest.mark.timeout(60)
+def test_decode_checks_each_row_instead_of_dropping_or_overrunning(conn_modules):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    stock, ext = conn_modules
+    # (a) bytes disagree with the declared length: stock drops the row (one log line) and the room stays
+    # alive to report Success later with a stale row; -ext fails the room with the reason.
+    mgr, bufs = _decode_manager(stock.MoriKVManager)
+    stock.MoriKVManager._handle_aux_data(mgr, _row_message(1, 2, b"\x01" * 12, declared=16))
+    assert (bufs[1] == 0xEE).all() and mgr.request_status[9] == KVPoll.WaitingForInput and mgr.failure_records == {}
+    mgr, bufs = _decode_manager(ext.MoriOrderedKVManager)
+    mgr._handle_aux_data(_row_message(1, 2, b"\x01" * 12, declared=16))
+    assert (bufs[1] == 0xEE).all() and mgr.request_status[9] == KVPoll.Failed
+    assert mgr.failure_records[9] == (
+        "mori-ext (F12) decode: metadata (aux) buffer 1, row 2: the message declares 16 bytes but carries 12"
+    )
+
+    # (b) a 16-byte row for buffer 0 (8-byte rows): stock writes row 1 and row 2 of buffer 0;
+    # -ext writes nothing and names both lengths.
+    mgr, bufs = _decode_manager(stock.MoriKVManager)
+    stock.MoriKVManager._handle_aux_data(mgr, _row_message(0, 1, b"\x02" * 16))
+    assert (bufs[0][8:24] == 2).all()  # the next row, another request's, overwritten
+    mgr, bufs = _decode_manager(ext.MoriOrderedKVManager)
+    mgr._handle_aux_data(_row_message(0, 1, b"\x02" * 16))
+    assert (bufs[0] == 0xEE).all() and mgr.request_status[9] == KVPoll.Failed
+    assert mgr.failure_records[9].endswith("metadata (aux) buffer 0, row 1: 16 bytes sent, decode row is 8 bytes")
+
+    # (c) a row that fits is written, the room untouched.
+    mgr, bufs = _decode_manager(ext.MoriOrderedKVManager)
+    mgr._handle_aux_data(_row_message(1, 3, bytes(range(16))))
+    assert bufs[1][48:].tolist() == list(range(16)) and (bufs[1][:48] == 0xEE).all()
+    assert mgr.request_status[9] == KVPoll.WaitingForInput and mgr.failure_records == {}
