@@ -1,7 +1,7 @@
 """``make bench``: every figure of issues #8 and #18 in one run, measured side by side.
 
     python -m bench.run            # full run (about 30-40 minutes on 2 shared cores: 31 pairs a case)
-    python -m bench.run --quick    # tiny sizes, 5 pairs a case, a smoke run (about 1-2 minutes)
+    python -m bench.run --quick    # tiny sizes, 3 pairs a case, a smoke run (about 1 minute)
 
 Items 1, 2, 6 and 7 (the Mooncake transfer path) run on every release where
 ``mooncake-ext`` has a live fix; items 3 and 4 measure F4 / F5 code and say

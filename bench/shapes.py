@@ -152,10 +152,10 @@ QUICK = Plan(
     token_sweep=(1024, 8192),  # 8K: where the added-CPU target is judged
     concurrency_sweep=(1, 4),
     concurrency_tokens=1024,
-    repeats=5,
+    repeats=3,  # a smoke run: every item and key exercised, no figure to read
     goodput_pages=(16,),
     goodput_repeats=2,
-    cpu_repeats=3,
+    cpu_repeats=2,
 )
 
 

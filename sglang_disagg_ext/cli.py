@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ext-only", action="store_true",
                    help="run each Mooncake/NIXL scenario with the -ext name only (checks this node; "
                         "no stock comparison)")
+    p.add_argument("--verify", action="store_true",
+                   help="run every -ext side with verified transfers on (SGLANG_DISAGG_EXT_VERIFY=1): decode "
+                        "checks a digest of every byte before Success, where the backend and release allow")
     p.set_defaults(func=_selftest)
 
     for name, (_, text) in DEPLOY_COMMANDS.items():

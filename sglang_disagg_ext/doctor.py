@@ -7,7 +7,7 @@ import os
 from importlib import metadata
 from typing import Dict, Optional
 
-from sglang_disagg_ext import backend_table, releases
+from sglang_disagg_ext import backend_table, releases, verification
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "disagg_ext"
@@ -95,6 +95,9 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "problems": problems,
         "warnings": warnings,
         "plugin_version": _plugin_version(),
+        # SGLANG_DISAGG_EXT_VERIFY: on/off here, and per -ext backend why it cannot verify ("" = it can).
+        "verified_transfers": {"enabled": verification.enabled(), "env": verification.VERIFY_ENV,
+                               "unavailable": verification.available(policy)},
     }
 
 
@@ -127,9 +130,17 @@ def format_report(report: Dict) -> str:
     ]
     for fix, info in report["fixes"].items():
         lines.append(
-            f"{fix}   {info['backend']:<9} {info['status']:<18} {yes_no[info['active']]:<5} "
+            f"{fix:<4} {info['backend']:<9} {info['status']:<18} {yes_no[info['active']]:<5} "
             f"{releases.FIX_TITLES[fix]}"
         )
+    verify = report["verified_transfers"]
+    can = [ext for ext, why in verify["unavailable"].items() if not why]
+    lines.append("")
+    lines.append(f"verified transfers: {'on' if verify['enabled'] else 'off'} ({verify['env']}=1 turns them on); "
+                 f"available here for: {', '.join(can) or 'none'}")
+    for ext, why in verify["unavailable"].items():
+        if why:
+            lines.append(f"  {ext}: {why}")
     lines.append("")
     for ext, info in report["backends"].items():
         lines.append(f"{ext:<13} {'ready' if info['ready'] else 'not ready'}")

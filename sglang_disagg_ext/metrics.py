@@ -23,8 +23,13 @@ Names (all prefixed ``sglang_disagg_ext_``):
 * ``transfer_failures_total``: requests the plugin ended Failed after their
   transfer started, by ``fix`` and ``reason`` (F10: metadata never landed).
 * ``thread_recoveries_total``: transfer-path loops re-entered after an
-  exception (F8), by ``role`` and ``thread``.
+  exception (F8 on Mooncake; F11: NIXL's bootstrap thread after a failed
+  registration), by ``role`` and ``thread``.
 * ``retract_offloads_total``: F5 index-key offloads on retract.
+* ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
+  by ``result`` (``ok``, or ``unverified``: some source rank sent no digest).
+* ``verify_mismatches_total``: verified rooms ended Failed, by ``component``
+  (``kv``, ``aux``, ``stateN``; ``frame``: a digest frame that could not be checked).
 """
 
 from __future__ import annotations
@@ -45,8 +50,12 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "transfer_failures_total": (
         "counter", "Requests the plugin ended Failed after the transfer started", ("fix", "reason")),
     "thread_recoveries_total": (
-        "counter", "Transfer-path loops re-entered after an unexpected exception (F8)", ("role", "thread")),
+        "counter", "Transfer-path loops re-entered after an unexpected exception (F8, F11)", ("role", "thread")),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
+    "verified_transfers_total": (
+        "counter", "Rooms decode checked against the prefill digest (issue 16)", ("result",)),
+    "verify_mismatches_total": (
+        "counter", "Verified rooms ended Failed on a digest mismatch (issue 16)", ("component",)),
 }
 
 _mu = threading.Lock()

@@ -31,11 +31,12 @@ from typing import Dict, List, Optional, Sequence
 
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext import activation_log, metrics, releases, verification
 from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
 from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
 from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
 from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
+from sglang_disagg_ext.backends.mooncake_verify import VerifiedTransferMixin
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -287,6 +288,17 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
     state path. The live fixes' mixins go in front of it.
     """
     mixins = tuple(mixin for fix, mixin in _FIX_MIXINS if policy.is_live(fix))
+    fixes = "".join(fix for fix, mixin in _FIX_MIXINS if mixin in mixins)
+    # Issue 16 (opt-in): outermost, so its digest sees every engine write the
+    # fixes let through, and its decode check runs before any Success.
+    if verification.enabled():
+        if releases.features().kv_status_codec:
+            mixins = (VerifiedTransferMixin,) + mixins
+            fixes = "V" + fixes
+        else:
+            logger.warning("%s=1: verified transfers need SGLang's status codec (0.5.23+); "
+                           "not available on SGLang %s, transfers are not verified", verification.VERIFY_ENV,
+                           policy.version)
     if policy.is_live("F1") or policy.is_live("F2"):
         state_class = MooncakeExtKVManagerFlat if policy.layout is StateLayout.FLAT else MooncakeExtKVManagerPerComponent
     elif mixins:
@@ -295,7 +307,6 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
         return None
     if not mixins:
         return state_class
-    fixes = "".join(fix for fix, mixin in _FIX_MIXINS if mixin in mixins)
     return type(
         f"{state_class.__name__}_{fixes}",
         mixins + (state_class,),

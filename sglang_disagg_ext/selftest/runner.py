@@ -27,7 +27,7 @@ import time
 import warnings
 from typing import Dict, List, Optional
 
-from sglang_disagg_ext import __version__, releases
+from sglang_disagg_ext import __version__, releases, verification
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness.transport import TransferOptions, TransportOptionError
 from sglang_disagg_ext.backend_table import BACKENDS
@@ -61,7 +61,31 @@ def observed(result) -> Dict:
                 transports.add(value)
     for pools in result.pool_devices.values():
         devices.update(d for d in pools.values() if d)
-    return {"engine_transport": sorted(transports), "pool_devices": sorted(devices)}
+    out = {"engine_transport": sorted(transports), "pool_devices": sorted(devices)}
+    digests = digest_counts(result)
+    if digests:
+        out["digests"] = digests
+    return out
+
+
+def digest_counts(result) -> Dict[str, int]:
+    """Rooms the run's decode workers checked against prefill's digest (``--verify``), by
+    outcome (``ok``, ``unverified``, ``mismatch``), read from the workers' plugin metrics;
+    empty where nothing was verified."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: Dict[str, int] = {}
+    for text in (getattr(result, "plugin_metrics", None) or {}).values():
+        for family in text_string_to_metric_families(text or ""):
+            for sample in family.samples:
+                if sample.name == "sglang_disagg_ext_verified_transfers_total":
+                    key = sample.labels.get("result", "?")
+                elif sample.name == "sglang_disagg_ext_verify_mismatches_total":
+                    key = "mismatch"
+                else:
+                    continue
+                counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts
 
 
 def not_run_row(name: str, fix: str, backend: str, why: str, **extra) -> Dict:
@@ -214,9 +238,9 @@ def scenario_names(backends: List[str]) -> List[str]:
     if "mooncake" in backends:
         names += [b.name for b in mooncake_scenarios(policy)]
     if "nixl" in backends:
-        from sglang_disagg_ext.selftest.scenarios.nixl import builtin_scenarios
+        from sglang_disagg_ext.selftest.scenarios.nixl_newest import nixl_scenarios
 
-        names += [b.name for b in builtin_scenarios()]
+        names += [b.name for b in nixl_scenarios(policy)]
     if "mori" in backends:
         from sglang_disagg_ext.selftest.scenarios.mori import ROW_NAMES
 
@@ -323,6 +347,13 @@ def main(args) -> int:
                 file=sys.stderr,
             )
             return 2
+    verify = bool(getattr(args, "verify", False))
+    if verify:
+        # The workers inherit the environment; stock managers ignore the switch.
+        os.environ[verification.VERIFY_ENV] = "1"
+        for ext, why in verification.available(policy).items():
+            if why and ext.split("-")[0] in backends:
+                print(f"[selftest] --verify: {ext} rows run unverified: {why}", file=sys.stderr)
     show_progress(sys.stderr)
     print(f"[selftest] SGLang {policy.version} ({policy.support_text}); backends {', '.join(backends)}; "
           f"{options.describe()}; "
@@ -344,12 +375,13 @@ def main(args) -> int:
             "backends": backends,
             "transfer": options.describe(),
             "ext_only": ext_only,
+            "verify": verify,
             "rows": rows,
             "totals": counts,
         }, indent=2))
     else:
         print(f"SGLang {policy.version} ({policy.support.value}, {policy.layout.value} state layout)")
-        print(f"transfers: {options.describe()}")
+        print(f"transfers: {options.describe()}" + ("; -ext sides verified (--verify)" if verify else ""))
         print(format_table(rows))
         for r in failed:
             print(f"\nFAILED with -ext: {r['scenario']}\n{r.get('ext_detail') or ''}")
@@ -359,5 +391,12 @@ def main(args) -> int:
         for r in rows:
             if r["ext"] == "n/a":
                 print(f"not run [{r['scenario']}]: {r['not_run']}")
+        if verify:
+            checked: Dict[str, int] = {}
+            for r in rows:
+                for k, v in (r.get("digests") or {}).items():
+                    checked[k] = checked.get(k, 0) + v
+            print("\nverified transfers (--verify): rooms decode checked against prefill's digest: "
+                  + (", ".join(f"{v} {k}" for k, v in sorted(checked.items())) or "none"))
         print(f"\n{summary_line(counts)}")
     return 1 if failed else 0

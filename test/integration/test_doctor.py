@@ -15,11 +15,12 @@ import pytest
 # KV send blacklists the session (0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.11 :1275-1276,
 # 0.5.12.post1 :1323-1324, 0.5.23 :2742-2745).
 # F6, F9 and F10 are live there too but not covered before 0.5.23 (status "live, not covered").
+# F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.23.
 TRUTH = {
     "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F7", "F8"}, False),
     "0.5.11": (True, {"F2", "F4", "F5", "F7", "F8"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F7", "F8"}, True),
-    "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10"}, True),
+    "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11"}, True),
 }
 
 
@@ -59,3 +60,21 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
     else:
         # No plugin loader to whitelist against; the launcher path still works.
         assert code == 0 and report["entry_point"] is False
+
+
+# Verified transfers (issue 16), by hand: Mooncake only, where mooncake-ext routes and SGLang's
+# common status codec carries a trailing frame (0.5.23 common/conn.py:757-784; the three older
+# releases' decode loops unpack exactly three status frames).
+VERIFY_AVAILABLE = {"0.5.10.post1": set(), "0.5.11": set(), "0.5.12.post1": set(), "0.5.23": {"mooncake-ext"}}
+
+
+@pytest.mark.timeout(150)
+def test_doctor_says_whether_and_where_transfers_are_verified(policy):
+    code, report = _doctor({"SGLANG_DISAGG_EXT_VERIFY": "1"})
+    verify = report["verified_transfers"]
+    assert verify["enabled"] is True and verify["env"] == "SGLANG_DISAGG_EXT_VERIFY"
+    assert set(verify["unavailable"]) == {"mooncake-ext", "nixl-ext", "mori-ext"}
+    assert {ext for ext, why in verify["unavailable"].items() if not why} == VERIFY_AVAILABLE[policy.version]
+    if "mooncake-ext" not in VERIFY_AVAILABLE[policy.version]:
+        assert "status codec" in verify["unavailable"]["mooncake-ext"]
+    assert code == 0

@@ -190,3 +190,26 @@ def test_ext_only_runs_the_ext_side_alone():
     assert row["stock"] == "not run" and row["stock_detail"] == "not run (--ext-only)"
     assert row["ext"] == "pass" and row["verified"] is True
     assert "each row runs -ext only (--ext-only)" in out.stderr
+
+
+@needs_mooncake
+@pytest.mark.engine
+@pytest.mark.timeout(CLI_TIMEOUT)
+def test_verify_checks_digests_where_available_and_says_so_elsewhere():
+    """``--verify``: the -ext workers run with ``SGLANG_DISAGG_EXT_VERIFY=1``. Where verified
+    transfers exist (``verification.available``; by hand: Mooncake on 0.5.23 of the matrix,
+    ``test_doctor.VERIFY_AVAILABLE``), the row's decode checked the room against prefill's
+    digest and its plugin metrics say so; elsewhere the run says the rows are unverified."""
+    name = _first_mooncake_scenario()
+    out = _cli("--backend", "mooncake", "--scenario", name, "--ext-only", "--verify", "--json",
+               timeout=CLI_TIMEOUT - 10)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    report = json.loads(out.stdout)
+    assert report["verify"] is True
+    (row,) = [r for r in report["rows"] if r["scenario"] == name]
+    assert row["ext"] == "pass" and row["verified"] is True
+    if releases.current_policy().version == "0.5.23":
+        assert row["digests"].get("ok", 0) >= 1 and not row["digests"].get("mismatch"), row
+    else:
+        assert "digests" not in row, row
+        assert "--verify: mooncake-ext rows run unverified" in out.stderr, out.stderr[-2000:]

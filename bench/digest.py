@@ -1,0 +1,107 @@
+"""Verified transfers (issue 16): what the digest costs next to moving the same bytes.
+
+A benchmark, not a test. For the KV pages of one request of ``--tokens`` tokens in
+the bench's shapes (``bench.shapes``: 4 layers, K and V buffers, 64-token pages,
+1 head x 64 dims bf16), on CPU pools (or ``--device cuda``), it times, interleaved
+and per sample in thread CPU time (wall time on CUDA, after a synchronize, and
+with ``--threads`` above 1):
+
+* **digest**: ``mooncake_verify.rows_digest`` over every page of every buffer, the
+  pages gathered out of the pool by index inside the call (decode's path before
+  Success, and prefill's for a chunk whose pages are not one contiguous run; a
+  contiguous run is digested in place, without the gather);
+* **gather**: ``index_select`` of the same pages into a preallocated tensor (one
+  read and one write of the bytes: what a transfer's source side costs at least).
+
+It prints the medians, digest/gather, and the digest's share of a measured
+transfer time when ``--transfer-ms`` is given (e.g. the 8K-token KV case of
+``make bench``: ``details.transfer[].ext_ms``). Verification runs the digest twice
+per request (prefill, decode), on two machines' CPUs in a real deployment.
+
+    python -m bench.digest                       # 8K tokens, CPU
+    python -m bench.digest --tokens 32768 --transfer-ms 17.9
+    python -m bench.digest --threads 2           # torch threads (the CPU digest is numpy, one thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench import shapes
+from sglang_disagg_ext.backends.mooncake_verify import rows_digest
+from sglang_disagg_ext.core import digest as dg
+
+
+def _clock(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    if torch.get_num_threads() > 1:  # torch's worker threads are not this thread's CPU time
+        return time.perf_counter()
+    return time.thread_time()
+
+
+def measure(tokens: int, samples: int, device: torch.device, seed: int = 0):
+    pages = shapes.pages_for_tokens(tokens, shapes.PAGE_SIZE)
+    item = shapes.PAGE_SIZE * shapes.KV_HEADS * shapes.KV_HEAD_DIM * shapes.DTYPE_BYTES
+    pool_pages = 2 * pages + 1
+    gen = torch.Generator().manual_seed(seed)
+    buffers = [torch.randint(0, 256, (pool_pages, item), dtype=torch.uint8, generator=gen).to(device)
+               for _ in range(2 * shapes.KV_LAYERS)]
+    src = torch.randperm(pool_pages, generator=gen)[:pages].to(device)
+    dst_pages = [int(p) for p in torch.randperm(pool_pages, generator=gen)[:pages]]
+    out = torch.empty((pages, item), dtype=torch.uint8, device=device)
+
+    def digest():
+        total = 0
+        for b, buf in enumerate(buffers):
+            total = (total + rows_digest(buf, dg.KV_COMPONENT, b, dst_pages, index=src)) & dg.MASK
+        return total
+
+    def gather():
+        for buf in buffers:
+            torch.index_select(buf, 0, src, out=out)
+
+    digest(), gather()  # weights cached, allocator warm
+    times = {"digest": [], "gather": []}
+    for i in range(samples):
+        order = ("digest", "gather") if i % 2 == 0 else ("gather", "digest")
+        for name in order:
+            t0 = _clock(device)
+            (digest if name == "digest" else gather)()
+            times[name].append(_clock(device) - t0)
+    nbytes = len(buffers) * pages * item
+    return pages, nbytes, times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--samples", type=int, default=31)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--transfer-ms", type=float, default=None,
+                    help="a measured transfer time of the same request, to put the digest next to")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the bench's own process only)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    pages, nbytes, times = measure(args.tokens, args.samples, device)
+    d, g = statistics.median(times["digest"]), statistics.median(times["gather"])
+    clock = "wall (synchronized)" if device.type == "cuda" else "wall" if args.threads > 1 else "thread CPU"
+    print(f"digest cost, {args.tokens} tokens = {pages} pages x {2 * shapes.KV_LAYERS} KV buffers "
+          f"({nbytes / 2**20:.1f} MiB), {device}, {args.samples} interleaved samples, {clock} time, "
+          f"{args.threads} torch thread(s)")
+    print(f"  digest (one side): median {d * 1e3:.2f} ms ({nbytes / d / 2**30:.2f} GiB/s)")
+    print(f"  gather (same pages): median {g * 1e3:.2f} ms ({nbytes / g / 2**30:.2f} GiB/s)")
+    print(f"  digest / gather: {d / g:.2f}")
+    if args.transfer_ms:
+        print(f"  digest / transfer ({args.transfer_ms} ms): {d * 1e3 / args.transfer_ms:.2f} per side")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,625 @@
+"""Verified transfers for ``mooncake-ext`` (issue 16, first cut): opt-in digest of every written byte.
+
+Switch: ``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment, read
+once when :func:`manager_class` composes the class and once per manager.
+
+Prefill: every engine write goes through ``_transfer_data(session, blocks)``
+(KV, paged state, Mamba slots, the aux row). Before the blocks go to the
+engine, each block's source bytes are digested at their *destination*
+placement (``core.digest``: component, decode buffer, decode page, word
+offset), on the pool's own device (numpy on CPU, torch on CUDA; one call per
+buffer per transfer), and added to the room's partial
+for that decode session. The room is known from the chunk the transfer worker
+took from its queue. When the room's Success goes to a decode endpoint
+(``send_kv_status_message``), the partial travels as one trailing frame after
+the reason frame: stock ``parse_kv_status_message`` reads frames 0-3 only, so a
+stock decode ignores it (no extra message, no round trip).
+
+Decode: ``parse_kv_status_message`` keeps the frame of each prefill rank's
+Success; when stock then moves the room to Success (every expected rank
+reported), ``update_status`` first recomputes the digest over the listed
+decode pages and compares it with the sum of the ranks' partials, per
+(component, buffer). A mismatch ends the room Failed with a reason naming the
+component, buffer and source rank(s) and is counted
+(``verify_mismatches_total{component}``). Prefill has already concluded the
+room as Success and no stock message tells it otherwise: prefill is not told.
+
+A room is left unverified (counted as ``verified_transfers_total{result="unverified"}``,
+never failed) when some source rank sent no frame (a stock or non-verifying
+prefill) or when a prefill block could not be placed in a registered buffer
+(prefill then sends no frame for that room). Writes that bypass
+``_transfer_data`` (0.5.23's heterogeneous-TP ``send_kvcache_slice``, staging,
+the TCP aux path) are not covered: their pages are simply not listed.
+
+Needs SGLang's common status codec (``parse_kv_status_message``, 0.5.23+): on
+older releases the decode loop unpacks exactly three frames, so
+``releases.features().kv_status_codec`` is False there and ``manager_class`` does
+not compose the mixin (``verification.available`` says why).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.verification import VERIFY_ENV
+from sglang_disagg_ext.verification import enabled as verify_enabled
+from sglang_disagg_ext.core import digest as dg
+
+logger = logging.getLogger("sglang_disagg_ext.mooncake.verify")
+
+_SUCCESS = 4  # KVPoll.Success (IntEnum, same value on every supported release)
+_FAILED = 0
+
+
+# -- tensors over registered buffers --------------------------------------------
+
+
+class _CudaArray:
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` at ``ptr`` on ``device``, no copy."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
+
+
+class _Buffer:
+    __slots__ = ("start", "end", "component", "index", "item_len", "_device", "_flat")
+
+    def __init__(self, start, nbytes, component, index, item_len, device):
+        self.start, self.end = int(start), int(start) + int(nbytes)
+        self.component, self.index, self.item_len = component, index, int(item_len)
+        self._device = device
+        self._flat = None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = _bytes_at(self.start, self.end - self.start, self._device)
+        return self._flat
+
+
+def _state_lists(values) -> List[List[int]]:
+    """State pointers/lengths per component: list-of-lists (0.5.12+) or one flat list (older)."""
+    values = list(values or [])
+    if values and isinstance(values[0], (list, tuple)):
+        return [list(v or []) for v in values]
+    return [values] if values else []
+
+
+def _local_buffers(kv_args, device) -> List[_Buffer]:
+    out = []
+
+    def add(component, ptrs, lens, items):
+        for b, (p, n, i) in enumerate(zip(ptrs or [], lens or [], items or [])):
+            if p and n and i:
+                out.append(_Buffer(p, n, component, b, i, device))
+
+    add(dg.KV_COMPONENT, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens)
+    add(dg.AUX_COMPONENT, kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens)
+    ptrs = _state_lists(getattr(kv_args, "state_data_ptrs", None))
+    lens = _state_lists(getattr(kv_args, "state_data_lens", None))
+    items = _state_lists(getattr(kv_args, "state_item_lens", None))
+    for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
+        add(dg.STATE_COMPONENT_BASE + i, p, n, it)
+    out.sort(key=lambda b: b.start)
+    return out
+
+
+def _find(table: List[_Buffer], starts: List[int], addr: int) -> Optional[_Buffer]:
+    i = bisect.bisect_right(starts, addr) - 1
+    if i >= 0 and table[i].start <= addr < table[i].end:
+        return table[i]
+    return None
+
+
+# -- digest kernels (on the buffer's device) ----------------------------------------
+#
+# Whole items go through the 64-bit word path (``core.digest``: one uint64 word
+# per 8 bytes, product and sum mod 2**64). On CPU that is one numpy ``einsum``
+# over the bytes viewed as uint64: a single read pass, no widened copy, no
+# temporary (one thread; torch's thread setting only affects the gathers) (measured with
+# ``python -m bench.digest``: torch's ``x * w`` then ``sum`` allocates a
+# product as large as the rows, and ``sum(dtype=int64)`` over int32 casts the
+# whole input first). On CUDA it is one int64 multiply and row sum in torch.
+
+_WEIGHTS: Dict[Tuple[str, int, bool], object] = {}
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def _weights(device: torch.device, n: int, by_word: bool):
+    """Cached weights: ``base(0 .. n-1)`` per 64-bit word (``by_word``; numpy uint64 on
+    CPU, torch int64 elsewhere) or per byte of an ``n``-byte item (torch int64)."""
+    key = (str(device), n, by_word)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        vec = dg.base_vector(n) if by_word else dg.byte_weight_vector(n)
+        w = vec if by_word and device.type == "cpu" else torch.from_numpy(vec.view(np.int64)).to(device)
+        with _WEIGHTS_LOCK:
+            _WEIGHTS[key] = w
+    return w
+
+
+def _page_factors(device, component, buffer, pages) -> torch.Tensor:
+    return torch.from_numpy(dg.page_factors(component, buffer, pages).view(np.int64)).to(device)
+
+
+_SLOTS = np.empty(0, dtype=np.uint64)
+_SLOTS_CAP = 1 << 20  # pages: 8 MiB at most, one table for every buffer of the process
+
+
+def _slot_factors(pages) -> np.ndarray:
+    """``core.digest.slot_factor`` of ``pages`` (uint64), looked up in a table grown on
+    demand (computing them per call was a sixth of the digest's time at 8K tokens)."""
+    global _SLOTS
+    pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+    if pages.size == 0:
+        return np.empty(0, dtype=np.uint64)
+    lo, hi = int(pages.min()), int(pages.max())
+    table = _SLOTS
+    if lo < 0 or hi >= table.size:
+        if lo < 0 or hi >= _SLOTS_CAP:
+            return dg.slot_factors(pages)  # directly; raises DigestError for a page out of range
+        with _WEIGHTS_LOCK:
+            if hi >= _SLOTS.size:
+                _SLOTS = dg.slot_factors(np.arange(min(_SLOTS_CAP, max(4096, 1 << hi.bit_length()))))
+            table = _SLOTS
+    return table[pages]
+
+
+_GATHER_CHUNK = 1 << 19  # bytes gathered per step on CPU: stays in L2 for the einsum that reads it (best of 256K-1M)
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's reusable CPU gather buffer, at least ``nbytes`` (a fresh ~1 MiB
+    tensor per call costs page faults when the allocator returns it to the OS)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _cpu_item_sums(rows: torch.Tensor, index: Optional[torch.Tensor]) -> np.ndarray:
+    """``v(item)`` of every item (uint64): ``rows`` contiguous, 8-byte aligned, a
+    multiple of 8 bytes wide; with ``index``, of rows ``index`` of ``rows``."""
+    n_words = rows.shape[1] // dg.WORD_BYTES
+    w = _weights(rows.device, n_words, True)
+    if index is None:
+        return np.einsum("ij,j->i", rows.numpy().view(np.uint64), w)  # one pass, wraps mod 2**64
+    n, item_len = index.numel(), rows.shape[1]
+    idx = index.numpy()
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    if len(breaks) < max(1, n // 16):
+        # Few contiguous runs (a fresh pool's usual layout): each in place, no gather.
+        words = rows.numpy().view(np.uint64)
+        out = np.empty(n, dtype=np.uint64)
+        for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [n]))):
+            start = int(idx[lo])
+            if start < 0 or start + (hi - lo) > words.shape[0]:
+                raise IndexError(f"row {start}..{start + hi - lo - 1} outside {words.shape[0]} rows")
+            np.einsum("ij,j->i", words[start:start + hi - lo], w, out=out[lo:hi])
+        return out
+    step = max(1, _GATHER_CHUNK // item_len)
+    scratch = _scratch(min(n, step) * item_len)
+    out = np.empty(n, dtype=np.uint64)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        part = scratch[: (hi - lo) * item_len].view(hi - lo, item_len)
+        torch.index_select(rows, 0, index[lo:hi], out=part)
+        np.einsum("ij,j->i", part.numpy().view(np.uint64), w, out=out[lo:hi])
+    return out
+
+
+def rows_digest(rows: torch.Tensor, component: int, buffer: int, dst_pages, index=None) -> int:
+    """Digest of whole items placed at destination pages ``dst_pages`` of (component, buffer).
+
+    ``rows`` is uint8 of shape ``(n, item_len)``: the items themselves, or, with
+    ``index`` (row numbers, any int sequence or tensor), a pool whose rows
+    ``index`` are the items (``dst_pages[i]`` is where row ``index[i]`` lands;
+    gathered here in bounded steps on CPU)."""
+    if index is not None:
+        if not isinstance(index, torch.Tensor):
+            index = torch.from_numpy(np.asarray(index, dtype=np.int64).reshape(-1))
+        index = index.to(device=rows.device, dtype=torch.int64)
+        if index.numel() == 0:
+            return 0
+    elif rows.shape[0] == 0:
+        return 0
+    item_len = rows.shape[1]
+    pad = -item_len % dg.WORD_BYTES
+    if pad or not rows.is_contiguous() or rows.data_ptr() % dg.WORD_BYTES or rows.storage_offset() % dg.WORD_BYTES:
+        # Zero-padded tail (the definition's) and an aligned, contiguous copy: rare
+        # (KV, state and aux items are multiples of 8 bytes, pools are aligned).
+        if index is not None:
+            rows, index = rows.index_select(0, index), None
+        padded = torch.zeros((rows.shape[0], item_len + pad), dtype=torch.uint8, device=rows.device)
+        padded[:, :item_len] = rows
+        rows = padded
+    # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
+    bf = dg.buffer_factor(component, buffer)
+    slots = _slot_factors(dst_pages)
+    if rows.device.type == "cpu":
+        per_item = _cpu_item_sums(rows, index)
+        return (int(np.dot(per_item, slots)) * bf) & dg.MASK  # uint64 dot wraps mod 2**64
+    if index is not None:
+        rows = rows.index_select(0, index)
+    per_item = (rows.view(torch.int64) * _weights(rows.device, rows.shape[1] // dg.WORD_BYTES, True)).sum(dim=1)
+    total = (per_item * torch.from_numpy(slots.view(np.int64)).to(rows.device)).sum()
+    return (int(total.item()) * bf) & dg.MASK
+
+
+def span_digest(data: torch.Tensor, dst_offset: int, item_len: int, component: int, buffer: int):
+    """Digest of ``data`` (flat uint8) written at byte ``dst_offset`` of destination buffer
+    (component, buffer) of items ``item_len`` long: any alignment (head slices, partial
+    items), byte by byte with ``core.digest``'s per-byte weights (slower than
+    :func:`rows_digest`; only slices take it). Returns (digest, destination pages touched)."""
+    pos = torch.arange(dst_offset, dst_offset + data.numel(), dtype=torch.int64, device=data.device)
+    pages = pos // item_len
+    first, last = dst_offset // item_len, (dst_offset + data.numel() - 1) // item_len
+    page_list = list(range(first, last + 1))
+    m = _page_factors(data.device, component, buffer, page_list)
+    w = _weights(data.device, item_len, False)[pos % item_len] * m[pages - first]
+    return int((data.to(torch.int64) * w).sum().item()) & dg.MASK, page_list
+
+
+def _run_index(starts, counts) -> np.ndarray:
+    """Row numbers of runs ``starts[i] .. starts[i] + counts[i] - 1``, concatenated."""
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+
+class _RoomQueue:
+    """A transfer queue as its worker sees it: ``get`` notes the room of the chunk it returns."""
+
+    def __init__(self, queue, owner):
+        self._queue = queue
+        self._owner = owner
+
+    def get(self, *args, **kwargs):
+        self._owner._verify_tls.room = None
+        item = self._queue.get(*args, **kwargs)
+        room = getattr(item, "room", None)
+        self._owner._verify_tls.room = room
+        if room is not None:
+            for session in list(self._owner.transfer_infos.get(room, {}) or {}):
+                self._owner._verify_session_room[session] = room
+        return item
+
+    def __getattr__(self, name):  # put (staging re-enqueue), qsize, ...
+        return getattr(self._queue, name)
+
+
+class _Partial:
+    """One room's digest for one decode session, as prefill builds it chunk by chunk."""
+
+    __slots__ = ("digests", "pages", "unplaced")
+
+    def __init__(self):
+        self.digests: Dict[Tuple[int, int], int] = {}
+        self.pages: Dict[int, set] = {}
+        self.unplaced: Optional[str] = None
+
+    def add(self, component, buffer, value, pages):
+        key = (component, buffer)
+        self.digests[key] = (self.digests.get(key, 0) + value) & dg.MASK
+        self.pages.setdefault(component, set()).update(int(p) for p in pages)
+
+
+class VerifiedTransferMixin:
+    """Issue 16 verification for Mooncake; see the module docstring. Cooperative, outermost."""
+
+    def __init__(self, *args, **kwargs):
+        """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
+        process). The stock constructor starts the transfer and status threads, which
+        use the tables below, so they exist before ``super().__init__``.
+        """
+        self._verify_on = verify_enabled()
+        self._verify_tls = threading.local()
+        self._verify_lock = threading.Lock()
+        self._verify_session_room: Dict[str, int] = {}
+        self._verify_partials: Dict[Tuple[int, str], _Partial] = {}
+        self._verify_frames: Dict[int, Dict[int, bytes]] = {}
+        self._verify_src: Optional[Tuple[List[_Buffer], List[int]]] = None
+        self._verify_dst: Dict[str, Tuple[int, List[_Buffer], List[int]]] = {}
+        super().__init__(*args, **kwargs)
+        if self._verify_on:
+            logger.info("verified transfers on (%s=1): %s side digests every engine write",
+                        VERIFY_ENV, self.disaggregation_mode.name.lower())
+
+    # -- where the pools live --------------------------------------------------
+    def _verify_device(self) -> torch.device:
+        device = str(getattr(self.server_args, "device", "cuda") or "cuda")
+        if device.startswith("cpu"):
+            return torch.device("cpu")
+        if ":" in device:
+            return torch.device(device)
+        return torch.device(device, int(getattr(self.kv_args, "gpu_id", 0) or 0))
+
+    def _verify_local(self) -> Tuple[List[_Buffer], List[int]]:
+        if self._verify_src is None:
+            table = _local_buffers(self.kv_args, self._verify_device())
+            self._verify_src = (table, [b.start for b in table])
+        return self._verify_src
+
+    def _verify_peer(self, session: str) -> Optional[Tuple[List[_Buffer], List[int]]]:
+        """Decode ``session``'s registered buffers, items sized as prefill's counterparts."""
+        info = self.decode_kv_args_table.get(session)
+        if info is None:
+            return None
+        cached = self._verify_dst.get(session)
+        if cached is not None and cached[0] == id(info):
+            return cached[1], cached[2]
+        src, _ = self._verify_local()
+        item = {(b.component, b.index): b.item_len for b in src}
+        # A decode pool may have more buffers than prefill's (an MTP draft layer):
+        # those take the component's item length when all of prefill's agree.
+        lens: Dict[int, set] = {}
+        for b in src:
+            lens.setdefault(b.component, set()).add(b.item_len)
+        common = {c: next(iter(v)) for c, v in lens.items() if len(v) == 1}
+        table = []
+
+        def add(component, ptrs):
+            for b, p in enumerate(ptrs or []):
+                n = item.get((component, b), common.get(component))
+                if component == dg.KV_COMPONENT and getattr(info, "dst_kv_item_len", 0):
+                    n = int(info.dst_kv_item_len)
+                if p:
+                    # Decode's buffer lengths are not registered: a destination
+                    # address belongs to the nearest buffer start below it. An
+                    # unsized buffer (n 0) still bounds its neighbour; a block
+                    # landing in it leaves the room unverified.
+                    table.append(_Buffer(p, 1 << 62, component, b, n or 0, None))
+
+        add(dg.KV_COMPONENT, info.dst_kv_ptrs)
+        add(dg.AUX_COMPONENT, info.dst_aux_ptrs)
+        for i, ptrs in enumerate(_state_lists(getattr(info, "dst_state_data_ptrs", None))):
+            add(dg.STATE_COMPONENT_BASE + i, ptrs)
+        table.sort(key=lambda b: b.start)
+        for a, b in zip(table, table[1:]):
+            a.end = b.start
+        self._verify_dst[session] = (id(info), table, [b.start for b in table])
+        return table, [b.start for b in table]
+
+    # -- prefill: digest what goes to the engine ---------------------------------
+    def transfer_worker(self, queue, executor, *args, **kwargs):
+        """Stock ``transfer_worker`` on a view of its queue that notes each chunk's room.
+
+        Contract: prefill only; SGLang's constructor starts one thread per transfer
+        queue with this as target (``queue, executor`` then release-specific extras,
+        passed through). Must not change what the loop gets or does.
+        """
+        if not self._verify_on:
+            return super().transfer_worker(queue, executor, *args, **kwargs)
+        return super().transfer_worker(_RoomQueue(queue, self), executor, *args, **kwargs)
+
+    def _transfer_data(self, mooncake_session_id, transfer_blocks):
+        """Stock ``_transfer_data``, after adding the blocks' digest to the room's partial.
+
+        Contract: prefill only; every KV, state and aux write of the transfer worker
+        (and of its executor's threads) goes through it with ``(src, dst, length)``
+        blocks for one decode session; its rc is the engine's. The digest is taken
+        before the engine reads the source. Must never raise on the digest's account.
+        """
+        if self._verify_on and transfer_blocks:
+            try:
+                self._verify_add_blocks(mooncake_session_id, transfer_blocks)
+            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+                logger.exception("verified transfers: digest of a transfer failed; the room goes unverified")
+                self._verify_mark_unplaced(mooncake_session_id, "digest raised")
+        return super()._transfer_data(mooncake_session_id, transfer_blocks)
+
+    def _verify_room(self, session: str) -> Optional[int]:
+        room = getattr(self._verify_tls, "room", None)
+        return room if room is not None else self._verify_session_room.get(session)
+
+    def _verify_partial(self, session: str) -> Optional[_Partial]:
+        room = self._verify_room(session)
+        if room is None:
+            return None
+        with self._verify_lock:
+            return self._verify_partials.setdefault((room, session), _Partial())
+
+    def _verify_mark_unplaced(self, session: str, why: str) -> None:
+        partial = self._verify_partial(session)
+        if partial is not None and partial.unplaced is None:
+            partial.unplaced = why
+
+    def _verify_add_blocks(self, session: str, blocks) -> None:
+        partial = self._verify_partial(session)
+        if partial is None or partial.unplaced is not None:
+            return
+        src_table, src_starts = self._verify_local()
+        peer = self._verify_peer(session)
+        if peer is None:
+            partial.unplaced = f"decode session {session} not registered"
+            return
+        dst_table, dst_starts = peer
+        # Whole-item blocks are grouped per (source, destination) buffer so each
+        # buffer's items are digested in one call (SGLang passes every layer's
+        # blocks of a chunk at once; a fragmented pool gives many one-page blocks).
+        groups: Dict[Tuple[int, int], Tuple[_Buffer, _Buffer, List[int], List[int], List[int]]] = {}
+        for src_addr, dst_addr, length in blocks:
+            src = _find(src_table, src_starts, src_addr)
+            dst = _find(dst_table, dst_starts, dst_addr)
+            if src is None or dst is None or not dst.item_len or src_addr + length > src.end:
+                partial.unplaced = f"block src 0x{src_addr:x} dst 0x{dst_addr:x} len {length} not in a registered buffer"
+                return
+            s_off, d_off, n = src_addr - src.start, dst_addr - dst.start, dst.item_len
+            if src.item_len == n and s_off % n == 0 and d_off % n == 0 and length % n == 0:
+                _, _, starts, counts, pages = groups.setdefault((src.start, dst.start), (src, dst, [], [], []))
+                starts.append(s_off // n)
+                counts.append(length // n)
+                pages.extend(range(d_off // n, d_off // n + length // n))
+            else:
+                value, pages = span_digest(src.flat()[s_off:s_off + length], d_off, n, dst.component, dst.index)
+                partial.add(dst.component, dst.index, value, pages)
+        for src, dst, starts, counts, pages in groups.values():
+            n = dst.item_len
+            flat = src.flat()
+            if len(starts) == 1:  # one contiguous run: digest it in place
+                s0 = starts[0] * n
+                value = rows_digest(flat[s0:s0 + counts[0] * n].view(counts[0], n), dst.component, dst.index, pages)
+            else:
+                pool = flat[: (src.end - src.start) // n * n].view(-1, n)
+                value = rows_digest(pool, dst.component, dst.index, pages, index=_run_index(starts, counts))
+            partial.add(dst.component, dst.index, value, pages)
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+        """Stock status push; a Success carries each target's digest as a trailing frame.
+
+        Contract: prefill (transfer worker via ``conclude_transfer``, or ``sender.clear``)
+        and decode (bootstrap readiness) call it with the room's decode endpoints.
+        The room's ``transfer_infos`` still name the sessions behind each endpoint.
+        Stock frames are unchanged; a stock decode parses frames 0-3 only.
+        """
+        if not self._verify_on or self.disaggregation_mode.name != "PREFILL" or status not in (_SUCCESS, _FAILED):
+            return super().send_kv_status_message(
+                targets=targets, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+        with self._verify_lock:
+            partials = {s: self._verify_partials.pop(k) for k in list(self._verify_partials)
+                        if k[0] == bootstrap_room for s in [k[1]]}
+        if int(status) != _SUCCESS or not targets:
+            return super().send_kv_status_message(
+                targets=targets, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+        infos = dict(self.transfer_infos.get(bootstrap_room, {}) or {})
+        for target in targets:
+            frame = self._verify_frame(bootstrap_room, target, infos, partials)
+            self._verify_tls.frame = frame
+            try:
+                super().send_kv_status_message(
+                    targets=[target], bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+            finally:
+                self._verify_tls.frame = None
+
+    def _verify_frame(self, room, target, infos, partials) -> Optional[bytes]:
+        sessions = [s for s, info in infos.items()
+                    if not getattr(info, "is_dummy", False) and (info.endpoint, info.dst_port) == tuple(target)]
+        merged = _Partial()
+        for s in sessions:
+            p = partials.get(s)
+            if p is None:
+                continue
+            if p.unplaced is not None:
+                logger.warning("room %s: not verifiable for decode %s:%s (%s); no digest sent",
+                               room, target[0], target[1], p.unplaced)
+                return None
+            for (c, b), d in p.digests.items():
+                merged.add(c, b, d, ())
+            for c, ps in p.pages.items():
+                merged.pages.setdefault(c, set()).update(ps)
+        return dg.encode_frame(merged.digests, merged.pages)
+
+    def _encode_kv_status_message(self, *, bootstrap_room, status, failure_reason):
+        """Stock status frames, plus the digest frame ``send_kv_status_message`` set for this target.
+
+        Contract: called by ``send_kv_status_message`` (any thread) to build one
+        message; must keep stock's frames and their order.
+        """
+        parts = list(super()._encode_kv_status_message(
+            bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason))
+        frame = getattr(self._verify_tls, "frame", None)
+        if frame is not None:
+            if not self.kv_status_msg_carries_reason:
+                parts.append(b"")  # empty reason: stock reads it as None
+            parts.append(frame)
+        return parts
+
+    # -- decode: compare before Success ----------------------------------------
+    def parse_kv_status_message(self, msg):
+        """Stock parse; a Success's trailing digest frame is kept for the room.
+
+        Contract: decode's status thread calls it for every message that is not
+        aux/staging/abort; its result goes to ``apply_prefill_status`` unchanged.
+        Must not raise for any message (the thread would end).
+        """
+        parsed = super().parse_kv_status_message(msg)
+        if parsed is None or not self._verify_on:
+            return parsed
+        room, status, prefill_rank, _ = parsed
+        if status == _SUCCESS:
+            for frame in msg[4:]:
+                frame = bytes(frame)
+                if frame.startswith(dg.FRAME_MAGIC):
+                    with self._verify_lock:
+                        self._verify_frames.setdefault(room, {})[prefill_rank] = frame
+                    break
+        return parsed
+
+    def update_status(self, bootstrap_room, status):
+        """Stock ``update_status``; on decode a Success is verified first.
+
+        Contract: both sides, any SGLang thread (decode: the status thread once every
+        prefill rank reported Success). A digest mismatch records the reason and moves
+        the room to Failed instead. Must not raise.
+        """
+        if not self._verify_on or self.disaggregation_mode.name != "DECODE":
+            return super().update_status(bootstrap_room, status)
+        if int(status) == _SUCCESS:
+            with self._verify_lock:
+                frames = self._verify_frames.pop(bootstrap_room, None)
+            reason = self._verify_check(bootstrap_room, frames)
+            if reason is not None:
+                logger.error("room %s: %s", bootstrap_room, reason)
+                self.record_failure(bootstrap_room, reason)
+                return super().update_status(bootstrap_room, type(status)(_FAILED))
+        elif int(status) == _FAILED:
+            with self._verify_lock:
+                self._verify_frames.pop(bootstrap_room, None)
+        return super().update_status(bootstrap_room, status)
+
+    def _verify_check(self, room, frames) -> Optional[str]:
+        """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""
+        expected_ranks = self.required_prefill_response_num_table.get(room)
+        if not frames or (expected_ranks is not None and len(frames) < expected_ranks):
+            metrics.count("verified_transfers_total", result="unverified")
+            return None
+        try:
+            decoded = {rank: dg.decode_frame(f) for rank, f in frames.items()}
+            expected, pages, ranks = dg.merge_frames(decoded)
+            actual = self._verify_landed(expected, pages)
+        except Exception as exc:  # noqa: BLE001 - a broken frame or index fails the room, never the thread
+            metrics.count("verify_mismatches_total", component="frame")
+            return f"verified transfer: cannot check room {room}: {type(exc).__name__}: {exc}"
+        bad = dg.first_mismatch(expected, actual)
+        if bad is None:
+            metrics.count("verified_transfers_total", result="ok")
+            return None
+        c, b = bad
+        name = dg.component_name(c)
+        metrics.count("verify_mismatches_total", component=name)
+        return (
+            f"verified transfer: digest mismatch in component {name} buffer {b} from prefill rank(s) "
+            f"{ranks.get(bad)} over {len(pages.get(c, []))} decode page(s): prefill 0x{expected[bad]:016x}, "
+            f"decode 0x{actual.get(bad, 0):016x}"
+        )
+
+    def _verify_landed(self, expected, pages) -> Dict[Tuple[int, int], int]:
+        table, _ = self._verify_local()
+        by_key = {(b.component, b.index): b for b in table}
+        out = {}
+        for (c, b) in expected:
+            buf = by_key.get((c, b))
+            if buf is None:
+                raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: decode has no such buffer")
+            ps = pages.get(c, [])
+            n_items = (buf.end - buf.start) // buf.item_len
+            if ps and (ps[0] < 0 or ps[-1] >= n_items):
+                raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: page {ps[-1]} "
+                                     f"outside decode's {n_items} pages")
+            flat = buf.flat()[: n_items * buf.item_len].view(n_items, buf.item_len)
+            out[(c, b)] = rows_digest(flat, c, b, ps, index=ps)
+        return out

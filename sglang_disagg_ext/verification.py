@@ -1,0 +1,47 @@
+"""Verified transfers (issue 16): the switch, and where it can work.
+
+``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment (off by default)
+asks every ``-ext`` backend that can to prove its bytes: prefill digests what
+it writes at its destination placement, decode recomputes the digest over what
+landed before it reports Success (``core/digest.py``,
+``backends/mooncake_verify.py``). This module is light (no torch, no SGLang at
+import) so that ``doctor`` and ``selftest`` can say what the switch does here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+from sglang_disagg_ext import releases
+
+VERIFY_ENV = "SGLANG_DISAGG_EXT_VERIFY"
+
+
+def enabled() -> bool:
+    """Whether ``SGLANG_DISAGG_EXT_VERIFY`` asks for verified transfers (off by default)."""
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
+    """Per ``-ext`` backend: ``""`` where verification works on this release, else why not.
+
+    Mooncake needs the plugin's classes (the backend routes) and SGLang's
+    common status codec, which reads the status frames by position and ignores
+    a trailing one (the digest travels there); older decode loops unpack
+    exactly three frames, so an extra one would end their thread.
+    """
+    out = {}
+    if not policy.supported:
+        reason = f"SGLang {policy.version or '(not installed)'} is not supported"
+        return {ext: reason for ext in releases.EXT_BACKENDS}
+    for ext, base in releases.EXT_BACKENDS.items():
+        if base != "mooncake":
+            out[ext] = "not built yet for this backend (issue 16 covers Mooncake first)"
+        elif not policy.routes(base):
+            out[ext] = f"{ext} passes through to stock on SGLang {policy.version}"
+        elif not releases.features().kv_status_codec:
+            out[ext] = f"SGLang {policy.version} has no common status codec (parse_kv_status_message, 0.5.22+)"
+        else:
+            out[ext] = ""
+    return out

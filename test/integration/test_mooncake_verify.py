@@ -1,0 +1,150 @@
+"""Issue 16, first cut: verified Mooncake transfers (``SGLANG_DISAGG_EXT_VERIFY=1``).
+
+Injection (the narrowest boundary): ``test/support/inflight_flip.py`` shadows the
+prefill engine's ``batch_transfer_sync`` and flips one byte of the source page
+for the length of that one engine call (restored after). Stock and ``-ext``
+managers get the same fault at the same call; the ``-ext`` digest was taken in
+``_transfer_data``, before the engine call. The harness's decode then checks
+every destination byte itself, independently of the digest.
+
+* Without verification (stock ``mooncake``, ``mooncake-ext`` with the switch
+  off) decode reports Success and the harness finds the wrong byte.
+* With verification, decode reports Failed naming the component and buffer.
+* No false alarm: many random valid transfers with verification on, all
+  Success, every byte checked by the harness, every one counted as verified.
+
+Verification needs SGLang's status codec (0.5.23+); on older releases the
+verified cases are skipped (``mooncake_verify.supported``).
+"""
+
+import os
+import random
+
+import pytest
+
+from sglang_disagg_ext import releases, verification
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+    kv_only,
+    with_state,
+)
+
+pytestmark = pytest.mark.engine
+
+POLICY = releases.current_policy()
+HOOK = os.path.join(os.path.dirname(__file__), "..", "support", "inflight_flip.py") + ":flip_one_source_byte"
+VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
+SHORT = Timeouts(request_s=20, sglang_waiting_s=6, sglang_bootstrap_s=6)
+
+
+WHY_NOT = verification.available(POLICY)["mooncake-ext"]
+needs_verify = pytest.mark.skipif(bool(WHY_NOT), reason=f"verified transfers not available here: {WHY_NOT}")
+
+
+def _flip_env(component: str, buffer: int = 0) -> dict:
+    return {
+        "SGLANG_HARNESS_PREFILL_HOOK": os.path.abspath(HOOK.rsplit(":", 1)[0]) + ":flip_one_source_byte",
+        "SGLANG_HARNESS_FLIP_COMPONENT": component,
+        "SGLANG_HARNESS_FLIP_BUFFER": str(buffer),
+    }
+
+
+def _state_case(kind, src, dst):
+    return lambda: with_state(f"verify {kind}", kind, src, dst, n_kv_pages=2, timeouts=SHORT)
+
+
+CASES = {
+    # case -> (scenario, component flipped, source buffer flipped[, decode buffer named if another])
+    "kv": (lambda: kv_only("verify kv", n_pages=3, timeouts=SHORT), "kv", 1),
+    "swa": (_state_case("swa", [1, 2, 3], [4, 5, 6]), "state0", 1),
+    "nsa": (_state_case("nsa", [1, 2], [7, 3]), "state0", 0),
+    "dsv4": (_state_case("dsv4", [5], [2]), "state0", 1),
+    "mamba": (_state_case("mamba", [3], [9]), "state0", 1),
+    "aux": (lambda: kv_only("verify aux", n_pages=2, timeouts=SHORT), "aux", 0),
+    # Decode's SWA pool has one more (draft) layer: prefill's V of layer 0 (its
+    # buffer 2 of K0 K1 V0 V1) lands in decode's buffer 3 (K0 K1 K2 V0 V1 V2),
+    # and the digest names the destination buffer.
+    "swa+draft layer": (lambda: _with_draft_layer(), "state0", 2, 3),
+}
+
+
+def _with_draft_layer():
+    scn = with_state("verify swa, decode +1 layer", "swa", [1, 2], [4, 5], n_kv_pages=2, timeouts=SHORT)
+    scn.state_pools[0].num_layers = 2
+    scn.state_pools[0].decode_extra_layers = 1
+    return scn
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["mooncake", "mooncake-ext"])
+def test_flipped_byte_goes_unnoticed_without_verification(backend):
+    build, component, buffer = CASES["kv"]
+    result = run_scenario(build(), backend, extra_env=_flip_env(component, buffer))
+    (req,) = result.requests
+    assert req.decode_status == "Success" and req.prefill_status == "Success", result.describe()
+    # The harness's own byte check sees the one wrong byte, in KV buffer 1.
+    assert not req.bytes_verified, result.describe()
+    assert any("kv buffer 1" in m for m in req.mismatches), req.mismatches
+
+
+@needs_verify
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flipped_byte_fails_the_room_with_verification(case):
+    build, component, src_buffer, *named = CASES[case]
+    buffer = named[0] if named else src_buffer
+    result = run_scenario(build(), "mooncake-ext", extra_env={**VERIFY, **_flip_env(component, src_buffer)})
+    (req,) = result.requests
+    assert "_V" in (result.decode_manager or ""), result.describe()
+    assert req.decode_status == "Failed", result.describe()
+    reason = req.decode_failure_reason or ""
+    assert f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) [0]" in reason, reason
+    # Prefill had concluded Success before decode checked; no stock message tells it otherwise.
+    assert req.prefill_status == "Success", result.describe()
+    assert f'sglang_disagg_ext_verify_mismatches_total{{component="{component}"}} 1.0' in result.plugin_metrics["decode"]
+
+
+KINDS = ("swa", "nsa", "dsv4", "mamba")
+
+
+def _random_scenario(rng: random.Random, n: int, page_size: int) -> Scenario:
+    kv_pages, state_pages = 24, 12
+    requests = []
+    for _ in range(n):
+        length = rng.randint(0, 6)
+        state = []
+        for kind in KINDS:
+            s_len = 1 if kind == "mamba" else rng.randint(0, 4)  # mamba: one slot to one slot
+            state.append(StateSpec(kind, rng.sample(range(state_pages), s_len), rng.sample(range(state_pages), s_len)))
+        requests.append(RequestSpec(
+            rng.sample(range(kv_pages), length), rng.sample(range(kv_pages), length),
+            aux_index=rng.randrange(8), dst_aux_index=rng.randrange(8), state=state, send_chunks=rng.randint(1, 3),
+        ))
+    return Scenario(
+        name=f"verify: {n} random transfers, page size {page_size}",
+        requests=requests,
+        page_size=page_size,
+        kv=KVPoolSpec(num_pages=kv_pages, head_num=2, head_dim=16),
+        state_pools=[StatePoolSpec(kind=k, num_pages=state_pages, num_layers=2) for k in KINDS],
+    )
+
+
+@needs_verify
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_no_false_alarm_over_random_transfers(page_size):
+    """Random page maps and lengths (empty included), chunking, aux rows, and every
+    state kind in one request; every request Success and byte-checked by the harness."""
+    n = 150
+    scenario = _random_scenario(random.Random(16 + page_size), n, page_size)
+    result = run_scenario(scenario, "mooncake-ext", extra_env=VERIFY, timeout_s=240)
+    assert result.ok, result.describe()
+    assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
+    assert f'sglang_disagg_ext_verified_transfers_total{{result="ok"}} {float(n)}' in result.plugin_metrics["decode"], \
+        result.plugin_metrics["decode"]

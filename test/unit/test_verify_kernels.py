@@ -1,0 +1,145 @@
+"""backends.mooncake_verify's digest kernels agree with core.digest's byte-by-byte reference.
+
+The reference (``core.digest.item_digest``) is checked by hand in test_digest.py;
+here the pool-side kernels (64-bit words through numpy ``einsum`` on CPU, torch
+int64 on CUDA; per-byte weights for spans) must give the same value for whole
+items, items that are not a multiple of 8 bytes, gathered rows, unaligned rows,
+and slices that start or end inside a word; and spans must compose into the
+whole-item digest.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sglang_disagg_ext.backends.mooncake_verify import _run_index, _slot_factors, rows_digest, span_digest  # noqa: E402
+from sglang_disagg_ext.core import digest as dg  # noqa: E402
+
+M64 = (1 << 64) - 1
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _sm64(z):
+    """splitmix64 (Steele, Lea, Flood 2014), independent of core.digest."""
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _rows(n, item_len, seed):
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.integers(0, 256, size=(n, item_len), dtype=np.uint8))
+
+
+def _reference(rows, c, b, pages):
+    return dg.combine(dg.item_digest(bytes(rows[i].cpu().numpy()), c, b, p) for i, p in enumerate(pages))
+
+
+@pytest.mark.timeout(10)
+def test_rows_digest_by_hand():
+    # One 16-byte item: words 0x..00FF01 = 0xFF01 and 2**63 at KV buffer 0, page 3.
+    item = torch.tensor([[0x01, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x80]], dtype=torch.uint8)
+    m = (_sm64((0 << 48) ^ (0 << 32) ^ 0x5EEDD16E57A10000) | 1) * (_sm64(3 ^ 0x5107FAC700000000) | 1)
+    expected = ((0xFF01 * (_sm64(0) | 1) + (1 << 63) * (_sm64(1) | 1)) * m) & M64
+    assert rows_digest(item, 0, 0, [3]) == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("item_len", [8, 64, 4, 6, 13, 20])
+def test_rows_digest_matches_reference(item_len, device):
+    rows = _rows(5, item_len, item_len)
+    rows[0, :4] = 0xFF  # high bytes set: unsigned words, and products that wrap
+    pages = [9, 0, 3, 70000, 12]
+    assert rows_digest(rows.to(device), 2, 1, pages) == _reference(rows, 2, 1, pages)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_digest_gathers_pool_rows(device):
+    # Decode's path (and prefill's fragmented blocks): rows picked out of a pool by index.
+    pool = _rows(12, 32, 1)
+    index, pages = [7, 2, 11, 2], [0, 5, 6, 1]
+    expected = _reference(pool[index], 0, 3, pages)
+    assert rows_digest(pool.to(device), 0, 3, pages, index=index) == expected
+    assert rows_digest(pool.to(device), 0, 3, pages, index=torch.tensor(index)) == expected
+    assert rows_digest(pool.to(device), 0, 3, [], index=[]) == 0
+
+
+@pytest.mark.timeout(30)
+def test_rows_digest_index_in_runs_digests_in_place():
+    # Two long runs of pool rows (fewer than one break per 16 rows): digested in
+    # place without a gather; same value as the reference, and an index past the
+    # pool's end is an error on both paths, never a silently shorter slice.
+    pool = _rows(80, 16, 4)
+    index = list(range(2, 30)) + list(range(40, 70))
+    pages = list(range(100, 100 + len(index)))
+    assert rows_digest(pool, 2, 0, pages, index=index) == _reference(pool[index], 2, 0, pages)
+    with pytest.raises((IndexError, RuntimeError)):
+        rows_digest(pool, 2, 0, list(range(40)), index=list(range(50, 90)))  # in-place path
+    with pytest.raises((IndexError, RuntimeError)):
+        rows_digest(pool, 2, 0, [0, 1], index=[3, 80])  # gather path
+
+
+@pytest.mark.timeout(30)
+def test_slot_factor_table_matches_definition():
+    # The kernel's shared table (and its direct path past the table's cap) give
+    # slot_factor(p) = splitmix64(p ^ SLOT_SALT) | 1, derived here independently.
+    pages = [0, 5, 4095, 70000, (1 << 20) + 3, (1 << 32) - 1]
+    assert [int(x) for x in _slot_factors(pages)] == [_sm64(p ^ 0x5107FAC700000000) | 1 for p in pages]
+    assert _slot_factors([]).size == 0
+    for bad in ([-1], [1 << 32]):
+        with pytest.raises(dg.DigestError, match="out of range"):
+            _slot_factors(bad)
+    with pytest.raises(dg.DigestError, match="out of range"):
+        rows_digest(_rows(1, 8, 0), 0, 0, [-1])
+
+
+@pytest.mark.timeout(30)
+def test_rows_digest_unaligned_and_strided_rows():
+    # Rows that start 1 byte into a buffer, and rows that are a column slice of wider rows.
+    flat = _rows(1, 1 + 4 * 24, 2).reshape(-1)
+    unaligned = flat[1:].view(4, 24)
+    assert rows_digest(unaligned, 1, 0, [3, 2, 1, 0]) == _reference(unaligned, 1, 0, [3, 2, 1, 0])
+    strided = _rows(3, 40, 3)[:, 8:32]
+    assert not strided.is_contiguous()
+    assert rows_digest(strided, 2, 2, [4, 5, 6]) == _reference(strided, 2, 2, [4, 5, 6])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("offset, length", [(0, 32), (5, 20), (30, 7), (0, 1), (13, 40)])
+def test_span_digest_matches_reference(offset, length):
+    item_len = 16
+    data = _rows(1, length, offset + length).reshape(-1)
+    value, pages = span_digest(data, offset, item_len, 0, 4)
+    expected = 0
+    for i in range(length):  # byte i lands at destination byte offset + i
+        pos = offset + i
+        expected += dg.item_digest(bytes([int(data[i])]), 0, 4, pos // item_len, offset=pos % item_len)
+    assert value == expected & dg.MASK
+    assert pages == list(range(offset // item_len, (offset + length - 1) // item_len + 1))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("item_len", [24, 12, 13])
+def test_spans_compose_into_whole_items(item_len):
+    # Items at destination pages 2..4; slices cut on and inside words (and items
+    # not a multiple of 8 bytes): the spans' digests sum to the whole items'.
+    rows = _rows(3, item_len, 40 + item_len)
+    whole = rows_digest(rows, 0, 1, [2, 3, 4])
+    flat, base_off = rows.reshape(-1), 2 * item_len
+    for cuts in ([item_len], [5], [1, 9, item_len + 3], [item_len - 1, 2 * item_len + 7]):
+        bounds = [0] + cuts + [flat.numel()]
+        total = 0
+        for lo, hi in zip(bounds, bounds[1:]):
+            value, _ = span_digest(flat[lo:hi], base_off + lo, item_len, 0, 1)
+            total += value
+        assert total & dg.MASK == whole, cuts
+
+
+@pytest.mark.timeout(10)
+def test_run_index_expands_runs():
+    assert _run_index([5, 0, 9], [2, 1, 3]).tolist() == [5, 6, 0, 9, 10, 11]
+    assert _run_index([4], [1]).tolist() == [4]
