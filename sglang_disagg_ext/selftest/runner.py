@@ -243,8 +243,9 @@ def scenario_names(backends: List[str]) -> List[str]:
         names += [b.name for b in nixl_scenarios(policy)]
     if "mori" in backends:
         from sglang_disagg_ext.selftest.scenarios.mori import ROW_NAMES
+        from sglang_disagg_ext.selftest.scenarios.mori_newest import ROW_NAMES as F12_ROW_NAMES
 
-        names += list(ROW_NAMES)
+        names += list(ROW_NAMES) + list(F12_ROW_NAMES)
     from sglang_disagg_ext.selftest.scenarios.metadata_gate import metadata_gate_row_names
 
     return names + f5_row_names() + metadata_gate_row_names()

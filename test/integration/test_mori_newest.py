@@ -189,3 +189,24 @@ def test_decode_checks_each_row_instead_of_dropping_or_overrunning(conn_modules)
     mgr._handle_aux_data(_row_message(1, 3, bytes(range(16))))
     assert bufs[1][48:].tolist() == list(range(16)) and (bufs[1][:48] == 0xEE).all()
     assert mgr.request_status[9] == KVPoll.WaitingForInput and mgr.failure_records == {}
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(240)
+def test_selftest_rows_run_where_f12_is_live_and_say_why_not_elsewhere():
+    """The two F12 rows of ``selftest --backend mori``: on 0.5.23 stock reproduces (a stale row;
+    4 stale bytes) and -ext passes, verified; elsewhere both rows are n/a naming F12's status."""
+    from sglang_disagg_ext.selftest.harness.transport import TransferOptions
+
+    rows = {r["scenario"]: r for r in selftest_mori.mori_rows(options=TransferOptions(), names=list(f12.ROW_NAMES))}
+    assert set(rows) == {"mori-aux-order", "mori-aux-short-row"}
+    for r in rows.values():
+        assert r["fix"] == "F12" and r["backend"] == "mori", r
+        if not LIVE:
+            assert (r["stock"], r["ext"]) == ("n/a", "n/a") and f"F12 is {F12.value}" in r["not_run"], r
+            continue
+        _standin_or_skip()
+        assert (r["stock"], r["ext"], r["verified"], r["stock_reproduced"]) == ("fail", "pass", True, True), r
+    if LIVE:
+        assert rows["mori-aux-order"]["stock_detail"].endswith(
+            f"/{f12.ROW_REQUESTS} requests Success with a stale metadata row"), rows

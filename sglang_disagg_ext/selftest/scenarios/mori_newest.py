@@ -23,13 +23,20 @@ without it):
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+import time
+from typing import Dict, List, Optional
+
+from sglang_disagg_ext import releases
 
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, Timeouts
 from sglang_disagg_ext.selftest.scenarios import mori as mori_rows
 
 FIX = "F12"
 RACE_REQUESTS = 200
+# The selftest row's share of the race (the test runs RACE_REQUESTS): with every row
+# message 30 ms late, stock shows a stale row from the first request on.
+ROW_REQUESTS = 20
+ROW_NAMES = ("mori-aux-order", "mori-aux-short-row")
 DELAY_MS = 30
 SHORT_BUFFER, SHORT_BY = 1, 4
 HOOKS = "aux_wire.py"
@@ -93,3 +100,102 @@ def stale_rows(request_result) -> bool:
     return request_result.decode_status == "Success" and any(
         m.startswith("aux") and "sentinel" in m for m in request_result.mismatches
     )
+
+
+def short_row_failed_cleanly(result) -> bool:
+    """-ext on ``short_row``: Failed on both sides with the reason, well before a timeout,
+    no metadata row written and nothing outside the request's pages touched."""
+    if result.error or len(result.requests) != 1:
+        return False
+    (r,) = result.requests
+    reason = short_row_reason(60, 64)
+    aux = [m for m in r.mismatches if m.startswith("aux ")]
+    return (
+        (r.prefill_status, r.decode_status) == ("Failed", "Failed")
+        and reason in (r.prefill_failure_reason or "") and reason in (r.decode_failure_reason or "")
+        and r.decode_seconds is not None and r.decode_seconds < 2
+        and bool(aux) and all("found the sentinel" in m for m in aux)
+        and not any("must be untouched" in m for m in r.mismatches)
+    )
+
+
+def short_row_stock_signature(result) -> bool:
+    """Stock on ``short_row``: Success on both sides with the row's last 4 bytes still stale."""
+    return len(result.requests) == 1 and any(
+        (r.prefill_status, r.decode_status) == ("Success", "Success")
+        and any(m.startswith("aux buffer 1 page 5:") and "4/64 bytes still sentinel" in m for m in r.mismatches)
+        for r in result.requests
+    )
+
+
+def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[str]] = None) -> List[Dict]:
+    """The F12 rows of the selftest table (the MoRI stand-in, SGLang's default metadata path):
+
+    * ``mori-aux-order``: ``ROW_REQUESTS`` requests with every metadata-row message 30 ms
+      late; stock must report Success with a stale row (its signature), ``-ext`` every
+      request Success with every byte verified;
+    * ``mori-aux-short-row``: a 60-byte prefill row for decode's 64-byte row; stock
+      Success with a stale tail, ``-ext`` Failed on both sides naming buffer, row and sizes.
+
+    "n/a" with the reason where F12 is not live, on the real engine (the rows need the
+    stand-in's host copies and the test hooks), for non-default transfer options, or
+    without a source checkout (the hooks live in ``test/support/``).
+    """
+    from sglang_disagg_ext.selftest.rows import make_row
+
+    policy = releases.current_policy()
+    engine = mori_rows.REAL_ENGINE_NOTE if real_engine else mori_rows.ENGINE_NOTE
+    wanted = [n for n in ROW_NAMES if names is None or n in names]
+
+    def row(name, stock, ext, verified, seconds, **extra):
+        return make_row(name, FIX, mori_rows.BACKEND, stock, ext, verified, seconds, engine=engine, **extra)
+
+    status = policy.fixes.get(FIX)
+    why = None
+    if status is not releases.FixStatus.LIVE:
+        why = f"F12 is {status.value if status else 'unknown'} on SGLang {policy.version}: mori-ext has no F12 class there"
+    elif real_engine:
+        why = "the F12 rows inject their faults around the MoRI stand-in's host copies; run test_mori_newest.py"
+    elif not options.is_default:
+        why = f"asked for {options.describe()}: the MoRI stand-in has no transports to choose"
+    elif hook_file() is None:
+        why = "no source checkout: the F12 fault hooks (test/support/aux_wire.py) are not in the wheel"
+    else:
+        ok, detail = mori_rows.standin_usable()
+        if not ok:
+            why = f"stand-in unusable here: {detail}"
+    if why:
+        return [row(n, "n/a", "n/a", False, 0.0, detail=why) for n in wanted]
+
+    rows = []
+    if "mori-aux-order" in wanted:
+        start = time.monotonic()
+        scn = aux_order(ROW_REQUESTS)
+        stock = run(scn, "mori", "delay_aux_rows", timeout_s)
+        ext = run(scn, "mori-ext", "delay_aux_rows", timeout_s)
+        stale = sum(1 for r in stock.requests if stale_rows(r))
+        ext_ok = ext.ok and all(r.bytes_verified and not r.mismatches for r in ext.requests)
+        rows.append(row(
+            scn.name, "fail" if stale or not stock.ok else "pass", "pass" if ext_ok else "fail",
+            ext_ok and stale > 0, time.monotonic() - start,
+            stock_expected="fail (Success with a stale metadata row)", stock_reproduced=stale > 0,
+            stock_detail=f"{stale}/{len(stock.requests)} requests Success with a stale metadata row"
+            if stale else stock.describe(logs=False),
+            ext_detail=None if ext_ok else ext.describe(logs=False),
+        ))
+    if "mori-aux-short-row" in wanted:
+        start = time.monotonic()
+        scn = short_row()
+        stock = run(scn, "mori", "shorter_aux_rows", timeout_s)
+        ext = run(scn, "mori-ext", "shorter_aux_rows", timeout_s)
+        reproduced = short_row_stock_signature(stock)
+        ext_ok = short_row_failed_cleanly(ext)
+        rows.append(row(
+            scn.name, "fail" if reproduced or not stock.ok else "pass", "pass" if ext_ok else "fail",
+            ext_ok and reproduced, time.monotonic() - start,
+            stock_expected="fail (Success with 4 stale bytes)", stock_reproduced=reproduced,
+            stock_detail=None if reproduced else stock.describe(logs=False),
+            detail="-ext: Failed on both sides naming buffer, row and sizes; decode's rows untouched",
+            ext_detail=None if ext_ok else ext.describe(logs=False),
+        ))
+    return rows
