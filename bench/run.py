@@ -7,6 +7,10 @@ Items 1, 2, 6 and 7 (the Mooncake transfer path) run on every release where
 ``mooncake-ext`` has a live fix; items 3 and 4 measure F4 / F5 code and say
 ``n/a: upstream on this release`` where those fixes are upstream (0.5.13+).
 
+Item 8 (issue 16): verified/unverified ``mooncake-ext`` transfer time, end to end
+(prefill's send until decode saw Success, decode's digest check included), where
+``verification.available`` says verification works; "n/a: <why>" elsewhere.
+
 Prints one table (item, case, stock/raw, ext, ratio, target, met?) and the
 machine (cores, CPU model, load average at start and end), writes
 ``bench/results.json`` (schema: ``bench.results``) and ``bench/growth.png``.
@@ -149,8 +153,12 @@ def run(args) -> Dict[str, Any]:
     # Items 1 and 2: real SGLang managers over real Mooncake TCP on loopback.
     from bench.transfer import TransferBench
 
-    transfer, goodput = [], []
-    with TransferBench(plan, per_component, max_seconds=args.max_seconds) as tb:
+    from sglang_disagg_ext import verification
+
+    # Item 8 (issue 16): verified/unverified, where verification works on this release.
+    verify_why = verification.available(policy).get("mooncake-ext", "")
+    transfer, goodput, verified = [], [], []
+    with TransferBench(plan, per_component, max_seconds=args.max_seconds, verified=not verify_why) as tb:
         log(f"transfer workers up ({time.monotonic() - started:.0f} s): {tb.info['prefill']['managers']}")
         for case in plan.cases():
             r = tb.run_case(case, plan.repeats, plan.cpu_repeats)
@@ -163,6 +171,10 @@ def run(args) -> Dict[str, Any]:
             r = tb.goodput(pages, plan.goodput_repeats)
             goodput.append(r)
             log(f"  2 {r['case']}: ext {r['ext_GBps']:.2f} GB/s raw {r['raw_GBps']:.2f} GB/s ratio {_ratio_text(r)}")
+        for case in ([] if verify_why else plan.verify_cases()):
+            r = tb.verify_case(case, plan.repeats)
+            verified.append(r)
+            log(f"  8 {r['case']}: ext {_ms(r['ext_s'])} verified {_ms(r['verified_s'])} ratio {_ratio_text(r)}")
     out["details"]["transfer"] = transfer
     out["details"]["cpu_method"] = {
         "clock": "time.thread_time_ns per thread, exclusive per frame (a frame's calls into other traced frames "
@@ -185,6 +197,11 @@ def run(args) -> Dict[str, Any]:
     }
     for r in transfer:
         rows.append(_row("1 ext/stock", "ext_over_stock", r, _ms(r["stock_s"]), _ms(r["ext_s"])))
+    if verify_why:
+        rows.append(_na_row("8 verified", f"n/a: {verify_why}"))
+    for r in verified:
+        rows.append(_row("8 verified", "verified_over_unverified", r, _ms(r["ext_s"]), _ms(r["verified_s"])))
+    out["details"]["verified"] = verified
     for r in goodput:
         d = r["descriptors"]
         rows.append(_row("2 goodput", "goodput_over_raw", r, f"{r['raw_GBps']:.2f} GB/s, {d['raw']} desc",
@@ -280,6 +297,7 @@ def run(args) -> Dict[str, Any]:
 
     out["ext_over_stock"] = res.ratio_list(transfer)
     out["goodput_over_raw"] = res.ratio_list(goodput)
+    out[res.VERIFY_KEY] = res.ratio_list(verified) if verified else f"n/a: {verify_why}"
     out["slice_build_over_stock"] = res.ratio_list(slices) if slices is not None else res.NA_UPSTREAM
     out["offload_over_copy"] = res.ratio_list(off) if off is not None else res.NA_UPSTREAM
     out["load_average_end"] = _load()

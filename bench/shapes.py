@@ -126,6 +126,11 @@ class Plan:
                     out.append(TransferCase(self.concurrency_tokens, c, with_state))
         return out
 
+    def verify_cases(self) -> List[TransferCase]:
+        """Item 8 (verified/unverified): the one-request cases at 8K tokens, where the
+        issue's 1.10 target is judged (KV only, and KV with state)."""
+        return [c for c in self.cases() if c.tokens == 8192 and c.concurrency == 1]
+
     def pool_pages(self, page_size: int = PAGE_SIZE) -> Dict[str, int]:
         """Pages each pool needs (page 0 is SGLang's padding page, never handed out)."""
         kv = max(c.concurrency * c.kv_pages(page_size) for c in self.cases())

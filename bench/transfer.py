@@ -61,8 +61,10 @@ class TransferBench:
     """Two long-lived workers; ``sample()`` times one batch on one variant."""
 
     def __init__(self, plan: shapes.Plan, per_component: bool, python: Optional[str] = None,
-                 max_seconds: float = 1800.0, log=print):
+                 max_seconds: float = 1800.0, log=print, verified: bool = False):
         self.plan = plan
+        # ``verified``: the workers also hold a verified ext pair (``verify_case``).
+        self.variants = ("stock", "ext") + (("verified",) if verified else ())
         self.per_component = per_component
         self.components = shapes.state_components(per_component)
         self.pool = plan.pool_pages()
@@ -103,7 +105,7 @@ class TransferBench:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         try:
             host, port = listener.address
-            ports = f"{find_free_port()},{find_free_port()}"
+            ports = ",".join(str(find_free_port()) for _ in self.variants)
             # Mooncake's TCP transport rejects a batch once a peer has more queued
             # transfers than this (default too small for a 128K-token request in
             # fragmented pages: both stock and ext then end Failed). Same for both.
@@ -112,7 +114,7 @@ class TransferBench:
             for role in ("prefill", "decode"):
                 cmd = [
                     self.python, "-m", "bench.transfer_worker", "--role", role, "--scenario", scn_path,
-                    "--ports", ports, "--model-dir", model_dir,
+                    "--ports", ports, "--variants", ",".join(self.variants), "--model-dir", model_dir,
                     "--dist-init", "file://" + os.path.join(self.run_dir, f"{role}.dist"),
                     "--control", f"{host}:{port}", "--max-seconds", str(self.max_seconds),
                 ]
@@ -201,8 +203,41 @@ class TransferBench:
         sent = self._call("prefill", {"op": "send", "src_kv": pages["src_kv"], "src_state": pages["src_state"],
                                       "trace": trace, **common})
         fin = {"op": "finish", "variant": variant, "verify": pages if verify else None}
-        self._call("decode", fin, timeout=REPLY_TIMEOUT_S * (4 if verify else 1))
+        done = self._call("decode", fin, timeout=REPLY_TIMEOUT_S * (4 if verify else 1))
+        if not sent.get("ok") or not done.get("ok"):
+            raise BenchError(f"{variant} {case.name}: prefill {sent.get('statuses')} {sent.get('failures') or ''} "
+                             f"decode {done.get('statuses')} {done.get('mismatches') or ''} {done.get('error') or ''}")
+        # Until decode saw the last room final: decode's own check (verification) included.
+        sent["end_to_end_s"] = max(done["ends"]) - sent["t0"]
         return sent
+
+    # -- verified transfers (issue 16) ----------------------------------------------------
+    def verify_case(self, case: shapes.TransferCase, repeats: int) -> Dict[str, Any]:
+        """Verified against unverified ext transfers of ``case``: ``repeats`` interleaved
+        pairs, each timed from prefill's first ``send()`` until decode saw the last room
+        final (decode digests what landed before it reports Success, so its check is in the
+        time); every byte checked in a warm-up of each."""
+        pages = shapes.batch_pages(case, self.pool, self.components)
+        for v in ("ext", "verified"):
+            self.sample(v, case, pages, verify=True)
+        per_req: Dict[str, List[float]] = {"ext": [], "verified": []}
+        for _, v in interleaved_order(["ext", "verified"], repeats):
+            per_req[v].append(self.sample(v, case, pages)["end_to_end_s"] / case.concurrency)
+        paired = paired_ratios(per_req["verified"], per_req["ext"])
+        return {
+            "case": case.name,
+            "tokens": case.tokens,
+            "concurrency": case.concurrency,
+            "with_state": case.with_state,
+            "ext_s": median(per_req["ext"]),
+            "verified_s": median(per_req["verified"]),
+            "ratio": paired["median"],  # verified/unverified over back-to-back pairs
+            "ratio_q1": paired["q1"],
+            "ratio_q3": paired["q3"],
+            "repeats": repeats,
+            "samples_s": per_req,
+            "timed": "prefill's first send() until decode saw the last room final, per request",
+        }
 
     def run_case(self, case: shapes.TransferCase, repeats: int, cpu_repeats: int = 3) -> Dict[str, Any]:
         """Wall-clock pairs (untraced), then ``cpu_repeats`` traced pairs (CPU time of the

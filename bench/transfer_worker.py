@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import contextlib
 import functools
 import hashlib
 import logging
@@ -51,6 +52,9 @@ from types import SimpleNamespace
 from typing import Any, Dict, List
 
 VARIANTS = ("stock", "ext")
+# ``--variants stock,ext,verified``: a third pair of managers, the ext class built with
+# SGLANG_DISAGG_EXT_VERIFY=1 (issue 16's digests on both sides), for verified/unverified.
+VERIFIED = "verified"
 POLL_SLEEP_S = 0.0001
 FINAL = ("Success", "Failed")
 FILL_CHUNK_PAGES = 128  # pattern generation works on uint64: bound its scratch memory
@@ -266,14 +270,44 @@ class Side:
         self.open: Dict[int, Any] = {}  # room -> receiver (decode)
 
 
+@contextlib.contextmanager
+def _verify_env(on: bool):
+    """SGLANG_DISAGG_EXT_VERIFY=1 while the verified variant's manager is built (it reads
+    the switch once, in its constructor); the other variants never see it."""
+    from sglang_disagg_ext.verification import VERIFY_ENV
+
+    old = os.environ.pop(VERIFY_ENV, None)
+    if on:
+        os.environ[VERIFY_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(VERIFY_ENV, None)
+        if old is not None:
+            os.environ[VERIFY_ENV] = old
+
+
+def _verified_manager_class(policy) -> type:
+    """The ext manager class with the verified-transfer mixin (built under the switch)."""
+    from sglang_disagg_ext.backends.mooncake import manager_class
+    from sglang_disagg_ext.backends.mooncake_verify import VerifiedTransferMixin
+
+    with _verify_env(True):
+        cls = manager_class(policy)
+    if cls is None or not issubclass(cls, VerifiedTransferMixin):
+        raise RuntimeError(f"no verified Mooncake manager on SGLang {policy.version}: {cls}")
+    return cls
+
+
 class Worker:
     def __init__(self, args):
         self.args = args
         self.role = args.role
-        self.sides = {v: Side(v) for v in VARIANTS}
+        self.variants = tuple(args.variants.split(","))
+        self.sides = {v: Side(v) for v in self.variants}
         self.tracer = CpuTracer()
         self._tracing = None  # the variant a traced send runs
-        self._engine_calls: Dict[str, List[tuple]] = {v: [] for v in VARIANTS}
+        self._engine_calls: Dict[str, List[tuple]] = {v: [] for v in self.variants}
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> Dict[str, Any]:
@@ -308,6 +342,8 @@ class Worker:
         self.classes = classes
         self.ext_class = ext_manager
         manager_class = {"stock": classes["manager"], "ext": ext_manager}
+        if VERIFIED in self.variants:
+            manager_class[VERIFIED] = _verified_manager_class(policy)
         self.KVPoll = ss.kvpoll()
         self.per_component = not ss.is_flat()
         kinds = [c.kind for c in state_components(self.per_component)]
@@ -322,7 +358,7 @@ class Worker:
             kv_args = classes["kvargs"]()
             ss.fill_kv_args(kv_args, self.role, side.server_args, side.kv_pool, side.meta, components,
                             self.scn.num_layers, self.scn.kv.head_num)
-            with _bootstrap_port_of(side.port):
+            with _bootstrap_port_of(side.port), _verify_env(side.name == VERIFIED):
                 side.mgr = ss.make_manager(manager_class[side.name], kv_args, self.role, side.server_args)
         if self.role == "decode":
             for side in self.sides.values():
@@ -456,6 +492,7 @@ class Worker:
             "ok": statuses == ["Success"],
             "statuses": statuses,
             "failures": failures,
+            "t0": t0,  # perf_counter: CLOCK_MONOTONIC, the same clock in the decode worker
             "makespan_s": max(ends) - t0,
             "latencies_s": [t - t0 for t in ends],
             "trace": traced,
@@ -473,7 +510,7 @@ class Worker:
         methods = traced_methods(self.ext_class)
         self.tracer.take()
         self._tracing = variant
-        self._engine_calls = {v: [] for v in VARIANTS}
+        self._engine_calls = {v: [] for v in self.variants}
         try:
             for cls, name, label in methods["plugin"] + methods["stock"]:
                 self.tracer.patch_method(cls, name, label, variant_of)
@@ -530,7 +567,8 @@ class Worker:
         for r in side.open.values():
             r.clear()
         side.open = {}
-        return {"ok": statuses == ["Success"] and not mismatches, "statuses": statuses, "mismatches": mismatches}
+        return {"ok": statuses == ["Success"] and not mismatches, "statuses": statuses, "mismatches": mismatches,
+                "ends": [t for _, t in done.values()]}  # when decode saw each room final (perf_counter)
 
     def _verify(self, side: Side, pages) -> List[str]:
         """Every transferred page equals the prefill pattern of its source page."""
@@ -733,7 +771,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
     p.add_argument("--scenario", required=True)
-    p.add_argument("--ports", required=True, help="bootstrap ports: stock,ext")
+    p.add_argument("--ports", required=True, help="bootstrap ports, one per variant")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="stock,ext[,verified]")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--dist-init", required=True)
     p.add_argument("--control", required=True, help="HOST:PORT of the parent's listener")

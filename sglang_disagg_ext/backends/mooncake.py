@@ -296,7 +296,7 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
             mixins = (VerifiedTransferMixin,) + mixins
             fixes = "V" + fixes
         else:
-            logger.warning("%s=1: verified transfers need SGLang's status codec (0.5.23+); "
+            logger.warning("%s=1: verified transfers need SGLang's common status codec (0.5.22+); "
                            "not available on SGLang %s, transfers are not verified", verification.VERIFY_ENV,
                            policy.version)
     if policy.is_live("F1") or policy.is_live("F2"):

@@ -84,6 +84,44 @@ def test_f4_f5_items_may_be_na_upstream():
     res.validate(d)
 
 
+def _with_verified():
+    """``_with_samples`` plus item 8 (verified/unverified end-to-end pairs)."""
+    d = _with_samples()
+    ext = [0.020, 0.021, 0.019]
+    verified = [0.022, 0.022, 0.020]
+    p = paired_ratios(verified, ext)
+    # Hand: per pair 1.1, 22/21 = 1.0476..., 20/19 = 1.0526...: median 1.0526...
+    assert math.isclose(p["median"], 20 / 19)
+    d["details"]["verified"] = [{"case": "kv 8K tok x1", "repeats": 3, "samples_s": {"ext": ext, "verified": verified},
+                                 "ratio": p["median"], "ratio_q1": p["q1"], "ratio_q3": p["q3"]}]
+    d[res.VERIFY_KEY] = [{"case": "kv 8K tok x1", "ratio": p["median"]}]
+    return d
+
+
+@pytest.mark.timeout(10)
+def test_verified_item_is_optional_may_be_na_and_recomputes_from_its_samples():
+    d = _with_verified()
+    res.validate(d)
+    res.check_samples(d)
+    na = copy.deepcopy(GOOD)
+    na[res.VERIFY_KEY] = "n/a: mooncake-ext passes through to stock on SGLang 0.5.11"
+    res.validate(na)
+    assert res.verdict(res.VERIFY_KEY, 1.2) == "no" and res.verdict(res.VERIFY_KEY, 1.05) == "yes"
+    for mutate, msg in (
+        (lambda d: d[res.VERIFY_KEY][0].__setitem__("ratio", 1.0), "verified_over_unverified kv 8K tok x1: ratio"),
+        (lambda d: d["details"]["verified"][0]["samples_s"]["verified"].pop(), "samples listed"),
+        (lambda d: d["details"]["verified"][0].__setitem__("case", "other"), "lists no samples"),
+    ):
+        bad = _with_verified()
+        mutate(bad)
+        with pytest.raises(ValueError, match=msg):
+            res.check_samples(bad)
+    bad = copy.deepcopy(GOOD)
+    bad[res.VERIFY_KEY] = "not measured"
+    with pytest.raises(ValueError, match="verified_over_unverified must be a non-empty list"):
+        res.validate(bad)
+
+
 @pytest.mark.timeout(10)
 def test_every_figure_recomputes_from_its_samples():
     res.check_samples(_with_samples())
