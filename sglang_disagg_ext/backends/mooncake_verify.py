@@ -39,7 +39,6 @@ not compose the mixin (``verification.available`` says why).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import threading
@@ -116,11 +115,22 @@ def _local_buffers(kv_args, device) -> List[_Buffer]:
     return out
 
 
-def _find(table: List[_Buffer], starts: List[int], addr: int) -> Optional[_Buffer]:
-    i = bisect.bisect_right(starts, addr) - 1
-    if i >= 0 and table[i].start <= addr < table[i].end:
-        return table[i]
-    return None
+_TABLE_ARRAYS: Dict[int, Tuple[List[_Buffer], Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+
+def _table_arrays(table: List[_Buffer]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ends, item lengths) of a sorted buffer table as int64 arrays, cached per table
+    (the table itself is kept in the cache, so its id is not reused while cached)."""
+    hit = _TABLE_ARRAYS.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    arrays = (np.array([b.start for b in table], dtype=np.int64),
+              np.array([min(b.end, (1 << 63) - 1) for b in table], dtype=np.int64),
+              np.array([b.item_len for b in table], dtype=np.int64))
+    if len(_TABLE_ARRAYS) > 256:  # one per decode session and one local: bounded anyway
+        _TABLE_ARRAYS.clear()
+    _TABLE_ARRAYS[id(table)] = (table, arrays)
+    return arrays
 
 
 # -- digest kernels (on the buffer's device) ----------------------------------------
@@ -315,7 +325,9 @@ class _Partial:
     def add(self, component, buffer, value, pages):
         key = (component, buffer)
         self.digests[key] = (self.digests.get(key, 0) + value) & dg.MASK
-        self.pages.setdefault(component, set()).update(int(p) for p in pages)
+        if isinstance(pages, np.ndarray):
+            pages = pages.tolist()
+        self.pages.setdefault(component, set()).update(pages)
 
 
 class VerifiedTransferMixin:
@@ -442,39 +454,62 @@ class VerifiedTransferMixin:
         partial = self._verify_partial(session)
         if partial is None or partial.unplaced is not None:
             return
-        src_table, src_starts = self._verify_local()
+        src_table, _ = self._verify_local()
         peer = self._verify_peer(session)
         if peer is None:
             partial.unplaced = f"decode session {session} not registered"
             return
-        dst_table, dst_starts = peer
-        # Whole-item blocks are grouped per (source, destination) buffer so each
-        # buffer's items are digested in one call (SGLang passes every layer's
-        # blocks of a chunk at once; a fragmented pool gives many one-page blocks).
-        groups: Dict[Tuple[int, int], Tuple[_Buffer, _Buffer, List[int], List[int], List[int]]] = {}
-        for src_addr, dst_addr, length in blocks:
-            src = _find(src_table, src_starts, src_addr)
-            dst = _find(dst_table, dst_starts, dst_addr)
-            if src is None or dst is None or not dst.item_len or src_addr + length > src.end:
-                partial.unplaced = f"block src 0x{src_addr:x} dst 0x{dst_addr:x} len {length} not in a registered buffer"
-                return
-            s_off, d_off, n = src_addr - src.start, dst_addr - dst.start, dst.item_len
-            if src.item_len == n and s_off % n == 0 and d_off % n == 0 and length % n == 0:
-                _, _, starts, counts, pages = groups.setdefault((src.start, dst.start), (src, dst, [], [], []))
-                starts.append(s_off // n)
-                counts.append(length // n)
-                pages.extend(range(d_off // n, d_off // n + length // n))
-            else:
-                value, pages = span_digest(src.flat()[s_off:s_off + length], d_off, n, dst.component, dst.index)
-                partial.add(dst.component, dst.index, value, pages)
-        for src, dst, starts, counts, pages in groups.values():
-            n = dst.item_len
+        dst_table, _ = peer
+        if not src_table or not dst_table:
+            partial.unplaced = "no registered buffers to place the blocks in"
+            return
+        # Vectorised over the blocks (SGLang passes every layer's blocks of a chunk
+        # at once; a fragmented pool gives hundreds of one-run blocks): each block's
+        # source and destination buffer by binary search over the buffer starts,
+        # then whole-item blocks grouped per (source, destination) buffer so each
+        # buffer's items are digested in one call.
+        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 3)
+        src_addr, dst_addr, length = b[:, 0], b[:, 1], b[:, 2]
+        s_start, s_end, s_item = _table_arrays(src_table)
+        d_start, d_end, d_item = _table_arrays(dst_table)
+        si = np.searchsorted(s_start, src_addr, side="right") - 1
+        di = np.searchsorted(d_start, dst_addr, side="right") - 1
+        ok = (si >= 0) & (di >= 0)
+        si_c, di_c = np.where(ok, si, 0), np.where(ok, di, 0)
+        n = d_item[di_c]
+        ok &= (src_addr + length <= s_end[si_c]) & (dst_addr < d_end[di_c]) & (n > 0)
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            partial.unplaced = (f"block src 0x{int(src_addr[k]):x} dst 0x{int(dst_addr[k]):x} len {int(length[k])} "
+                                "not in a registered buffer")
+            return
+        s_off, d_off = src_addr - s_start[si], dst_addr - d_start[di]
+        whole = (s_item[si] == n) & (s_off % n == 0) & (d_off % n == 0) & (length % n == 0)
+        for k in np.flatnonzero(~whole):  # head slices, partial items: byte-granular
+            src, dst = src_table[si[k]], dst_table[di[k]]
+            lo = int(s_off[k])
+            value, pages = span_digest(src.flat()[lo:lo + int(length[k])], int(d_off[k]), dst.item_len,
+                                       dst.component, dst.index)
+            partial.add(dst.component, dst.index, value, pages)
+        if not whole.any():
+            return
+        w = np.flatnonzero(whole)
+        key = si[w] * len(dst_table) + di[w]
+        w = w[np.argsort(key, kind="stable")]  # keeps each group's blocks in order
+        key = si[w] * len(dst_table) + di[w]
+        cuts = np.flatnonzero(np.diff(key)) + 1
+        for group in np.split(w, cuts):
+            src, dst = src_table[si[group[0]]], dst_table[di[group[0]]]
+            item = dst.item_len
+            starts, counts = s_off[group] // item, length[group] // item
+            pages = _run_index(d_off[group] // item, counts)
             flat = src.flat()
-            if len(starts) == 1:  # one contiguous run: digest it in place
-                s0 = starts[0] * n
-                value = rows_digest(flat[s0:s0 + counts[0] * n].view(counts[0], n), dst.component, dst.index, pages)
+            if len(group) == 1:  # one contiguous run: digest it in place
+                s0 = int(starts[0]) * item
+                c0 = int(counts[0])
+                value = rows_digest(flat[s0:s0 + c0 * item].view(c0, item), dst.component, dst.index, pages)
             else:
-                pool = flat[: (src.end - src.start) // n * n].view(-1, n)
+                pool = flat[: (src.end - src.start) // item * item].view(-1, item)
                 value = rows_digest(pool, dst.component, dst.index, pages, index=_run_index(starts, counts))
             partial.add(dst.component, dst.index, value, pages)
 
