@@ -187,7 +187,7 @@ def _slot_factors(pages) -> np.ndarray:
     return table[pages]
 
 
-_GATHER_CHUNK = 1 << 19  # bytes gathered per step on CPU: stays in L2 for the einsum that reads it (best of 256K-1M)
+_GATHER_CHUNK = 1 << 20  # bytes gathered per step on CPU (1 MiB: 1.07 ms vs 1.21 ms at 512 KiB, 1.63 ms at 128 KiB for 8 x 1 MiB fragmented KV; larger gains nothing)
 _SCRATCH = threading.local()
 
 
