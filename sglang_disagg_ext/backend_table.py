@@ -51,7 +51,7 @@ BACKENDS: Tuple[Backend, ...] = (
         engine_module="mori.io",
         engine_packages=("mori",),
         adapter_module="sglang_disagg_ext.backends.mori",
-        selftest_rows=("sglang_disagg_ext.selftest.scenarios.mori", "mori_rows"),
+        selftest_rows=("sglang_disagg_ext.selftest.scenarios.mori_newest", "rows"),  # F3, then F12
     ),
 )
 

@@ -24,7 +24,7 @@ Names (all prefixed ``sglang_disagg_ext_``):
   transfer started, by ``fix`` and ``reason`` (F10: metadata never landed).
 * ``thread_recoveries_total``: transfer-path loops re-entered after an
   exception (F8 on Mooncake; F11: NIXL's bootstrap thread after a failed
-  registration), by ``role`` and ``thread``.
+  registration, its decode listener after a failed status message), by ``role`` and ``thread``.
 * ``retract_offloads_total``: F5 index-key offloads on retract.
 * ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
   by ``result`` (``ok``, or ``unverified``: some source rank sent no digest).

@@ -115,7 +115,7 @@ FIX_TITLES = {
     "F9": "Mooncake: registration refuses a pair it cannot serve (metadata buffer counts or sizes differ), on both sides",
     "F10": "Decode's metadata gate has a deadline: a request whose metadata never lands ends Failed, with a reason",
     "F11": "NIXL (head-sliced path): an unsliceable decode is refused at registration, SWA page lists aligned as Mooncake, "
-    "the bootstrap thread survives a failed registration",
+    "the bootstrap thread survives a failed registration and the decode listener a failed status message",
     "F12": "MoRI (TCP metadata path): each metadata row travels ahead of its room's status on one ordered channel; "
     "a row whose length does not match fails the room with a reason instead of being dropped",
 }

@@ -21,6 +21,19 @@ nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
   it is concluded Failed instead, which tells decode through SGLang's own
   status message; a room that became ready before prefill created it is
   failed when the scheduler sends its first chunk (``add_transfer_request``).
+* **Decode listener survival** (decode): stock's ``decode_listener_thread``
+  (nixl/conn.py:1017-1043) has no handler, and on 0.5.23 it is the only way a
+  NIXL decode learns a room's Success or Failed (the ``KV_STATUS`` message;
+  ``check_status`` reads nothing else): one exception while handling one
+  message ends the thread, and every later room of that decode waits out
+  SGLang's waiting timeout. The per-message handlers it calls
+  (``apply_prefill_status``, ``handle_chunk_ready``,
+  ``handle_abort_ack_message``, ``parse_kv_status_message``) catch an
+  unexpected exception instead: logged with its traceback, counted in
+  ``thread_recoveries_total{role="decode",thread="decode_listener"}``, the
+  message's room (where it names one) ended Failed on decode with the
+  exception in the reason, and the loop goes on. Prefill has already
+  concluded that room (its status message is what failed here).
 * **SWA page lists** (``maybe_send_extra``, transfer worker): prefill's and
   decode's SWA page lists of one request are aligned the way 0.5.23's Mooncake
   aligns them (mooncake/conn.py:2145-2161: SWA is not positional, so the
@@ -45,7 +58,7 @@ from sglang_disagg_ext import activation_log, metrics
 from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
-from sglang_disagg_ext.core.thread_survival import root_cause
+from sglang_disagg_ext.core.thread_survival import failure_reason, root_cause
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 # A trim repeats on every request of an affected model: one WARNING per
@@ -205,6 +218,76 @@ class NixlNewestKVManager(NixlKVManager):
             return None
         return super().add_transfer_request(bootstrap_room, *args, **kwargs)
 
+    # -- decode listener (decode) ----------------------------------------------------------------
+    def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,
+                             **kwargs):
+        """Stock, but an exception ends the room Failed instead of the listener thread.
+
+        Contract: decode only; stock's ``decode_listener_thread`` calls it for each
+        ``KV_STATUS`` message from a prefill rank (Success, Failed or, with deferred
+        allocation, WaitingForInput), for rooms it may already have cleared. It must
+        not raise: the thread has no handler and is the decode's only source of
+        room statuses.
+        """
+        try:
+            return super().apply_prefill_status(bootstrap_room=bootstrap_room, status=status,
+                                                prefill_rank=prefill_rank, failure_reason=failure_reason, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._f11_listener_raised("apply_prefill_status", bootstrap_room, exc)
+            return None
+
+    def parse_kv_status_message(self, msg):
+        """Stock; a message it cannot parse without raising is reported as unparsable (None).
+
+        Contract: decode listener thread, once per message that is not a chunk,
+        staging or abort-ack message; returns (room, status, prefill rank, reason)
+        or None, on which the loop logs and goes on. Must not raise (see
+        :meth:`apply_prefill_status`).
+        """
+        try:
+            return super().parse_kv_status_message(msg)
+        except Exception as exc:  # noqa: BLE001
+            self._f11_listener_raised("parse_kv_status_message", _room_of(msg, 1), exc)  # KV_STATUS, room
+            return None
+
+    def handle_chunk_ready(self, msg) -> bool:
+        """Stock; a message whose handling raised counts as consumed (True).
+
+        Contract: decode listener thread, first for every message; True when it
+        was a staging ``CHUNK_READY`` message. Must not raise.
+        """
+        try:
+            return super().handle_chunk_ready(msg)
+        except Exception as exc:  # noqa: BLE001
+            self._f11_listener_raised("handle_chunk_ready", _room_of(msg, 1), exc)
+            return True
+
+    def handle_abort_ack_message(self, msg) -> bool:
+        """Stock; a message whose handling raised counts as consumed (True).
+
+        Contract: decode listener thread, for every message that was neither a
+        chunk nor a staging request; True when it was an abort acknowledgement.
+        Must not raise.
+        """
+        try:
+            return super().handle_abort_ack_message(msg)
+        except Exception as exc:  # noqa: BLE001
+            self._f11_listener_raised("handle_abort_ack_message", None, exc)
+            return True
+
+    def _f11_listener_raised(self, where: str, room: Optional[int], exc: BaseException) -> None:
+        logger.exception("nixl-ext: decode listener: %s raised for room %s; the room is failed, the listener "
+                         "keeps serving", where, room)
+        metrics.count("thread_recoveries_total", role="decode", thread="decode_listener")
+        if room is None or room not in self.request_status:
+            return
+        reason = failure_reason(f"nixl-ext (F11) decode listener: {where}", exc)
+        try:
+            self.record_failure(room, reason)
+            NixlKVManager.update_status(self, room, KVPoll.Failed)
+        except Exception:  # noqa: BLE001 - never out of the listener
+            logger.exception("nixl-ext: could not fail room %s after the listener fault", room)
+
     # -- SWA page lists (transfer worker) ------------------------------------------------------
     def maybe_send_extra(self, peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices,
                          *args, **kwargs):
@@ -242,6 +325,15 @@ class NixlNewestKVManager(NixlKVManager):
         if src_out is None:
             return prefill_state_indices, dst_state_indices
         return src_out, dst_out
+
+
+def _room_of(msg, index: int = 0) -> Optional[int]:
+    """The room a listener message names in frame ``index`` (ASCII digits), else None."""
+    try:
+        text = bytes(msg[index]).decode("ascii")
+    except Exception:  # noqa: BLE001 - a frame that is not a room
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _log_trim(plan: ComponentPlan) -> None:

@@ -198,7 +198,7 @@ def test_selftest_rows_run_where_f12_is_live_and_say_why_not_elsewhere():
     4 stale bytes) and -ext passes, verified; elsewhere both rows are n/a naming F12's status."""
     from sglang_disagg_ext.selftest.harness.transport import TransferOptions
 
-    rows = {r["scenario"]: r for r in selftest_mori.mori_rows(options=TransferOptions(), names=list(f12.ROW_NAMES))}
+    rows = {r["scenario"]: r for r in f12.rows(options=TransferOptions(), names=list(f12.ROW_NAMES))}
     assert set(rows) == {"mori-aux-order", "mori-aux-short-row"}
     for r in rows.values():
         assert r["fix"] == "F12" and r["backend"] == "mori", r

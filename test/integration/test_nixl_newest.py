@@ -35,12 +35,15 @@ EXT_MANAGER = "sglang_disagg_ext.backends.nixl_newest.NixlNewestKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
 HOOK = {"SGLANG_HARNESS_PREFILL_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.PREFILL_HOOK}
+DECODE_HOOK = {
+    "SGLANG_HARNESS_DECODE_MANAGER_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.DECODE_MANAGER_HOOK
+}
 RUN_BOUND_S = 240  # stock and ext run of one case: startup, requests, teardown
 
 
 @functools.lru_cache(maxsize=None)
-def run(builder: str, args: tuple, backend: str, hook: bool = False):
-    env = {nixl_shim.ENV: "1", **(HOOK if hook else {})}
+def run(builder: str, args: tuple, backend: str, hook=False):
+    env = {nixl_shim.ENV: "1", **({"decode": DECODE_HOOK}.get(hook, HOOK) if hook else {})}
     result = run_scenario(getattr(S, builder)(*args), backend, extra_env=env)
     assert result.prefill_manager == (EXT_MANAGER if backend == "nixl-ext" else STOCK_MANAGER), result.describe()
     return result
@@ -149,3 +152,29 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
     assert_refused_at_once(ext, 1, 2, S.REGISTRATION_FAULT_REASON)
     metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
     assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+def test_decode_listener_survives_a_status_handler_that_raises():
+    """Stock: the injected exception kills decode's listener thread; both rooms then end on decode
+    only by SGLang's 5 s waiting timeout. -ext: room 1000 Failed on decode at once with the
+    exception in the reason (prefill had concluded it Success), counted as one decode-listener
+    recovery; room 1001 Success with every byte checked, so the listener served after the fault."""
+    stock = run("listener_fault", (), "nixl", "decode")
+    assert any(f"(decode_listener_thread): InjectedFault: {S.LISTENER_FAULT}" in t
+               for t in stock.requests[0].thread_errors), stock.describe()
+    for r in stock.requests:
+        assert (r.prefill_status, r.decode_status) == ("Success", "Failed"), stock.describe()
+        assert "timed out after 5.0s in KVPoll.WaitingForInput" in r.decode_failure_reason, stock.describe()
+        assert r.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, stock.describe()
+
+    ext = run("listener_fault", (), "nixl-ext", "decode")
+    bad, good = ext.requests
+    assert (bad.prefill_status, bad.decode_status) == ("Success", "Failed"), ext.describe()
+    assert bad.decode_failure_reason == S.LISTENER_FAULT_REASON, ext.describe()
+    assert bad.decode_seconds < S.FAILED_WITHIN_S, ext.describe()
+    assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
+    assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
+    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
+    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="decode_listener"} 1.0'
+    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics

@@ -1,4 +1,7 @@
-"""Test-only prefill hooks (``SGLANG_HARNESS_PREFILL_HOOK``): one manager method raises once, for one room.
+"""Test-only manager hooks: one manager method raises once, for one room.
+
+Prefill hooks go in ``SGLANG_HARNESS_PREFILL_HOOK``; ``raise_on_status_success``
+is a decode hook (``SGLANG_HARNESS_DECODE_MANAGER_HOOK``).
 
 Loaded by the harness worker in the prefill process right after the manager
 exists (``worker._run_prefill_hook``); each hook shadows one method on that
@@ -71,3 +74,19 @@ def raise_in_registration(mgr) -> None:
         return stock(peer_info, *args, **kwargs)
 
     mgr._prepare_payload_xfer = prepare_payload_xfer
+
+
+def raise_on_status_success(mgr) -> None:
+    """Decode: ``update_status(room, Success)`` raises once. On NIXL 0.5.23 that call comes
+    from ``apply_prefill_status`` on the decode listener thread, handling prefill's Success
+    message for the room (``KV_STATUS``); any earlier status of the room passes."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    room, take, stock = _room(), _once(), mgr.update_status
+
+    def update_status(bootstrap_room, status, *args, **kwargs):
+        if bootstrap_room == room and status == KVPoll.Success and take():
+            raise InjectedFault(f"injected fault: decode status handler for room {room}")
+        return stock(bootstrap_room, status, *args, **kwargs)
+
+    mgr.update_status = update_status

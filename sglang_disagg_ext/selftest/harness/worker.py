@@ -35,6 +35,7 @@ FINAL = ("Success", "Failed")
 PEER_GRACE_S = 3.0  # a live prefill reaches its final state well inside this after decode
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
 PREFILL_HOOK_ENV = "SGLANG_HARNESS_PREFILL_HOOK"
+DECODE_MANAGER_HOOK_ENV = "SGLANG_HARNESS_DECODE_MANAGER_HOOK"
 # Comma-separated logger names (e.g. sglang.srt.disaggregation.nixl.conn) to
 # log at DEBUG in the children, for chasing a stuck bootstrap.
 DEBUG_LOGGERS_ENV = "SGLANG_HARNESS_DEBUG_LOGGERS"
@@ -243,6 +244,8 @@ class Worker:
         self.result["sglang_ranks"] = ss.sglang_ranks(self.mgr)
         if self.role == "prefill":
             self._run_prefill_hook()
+        else:
+            self._run_decode_manager_hook()
         self.KVPoll = ss.kvpoll()
         self.mark("manager")
 
@@ -536,6 +539,14 @@ class Worker:
         hook = _load_hook(PREFILL_HOOK_ENV)
         if hook is not None:
             self.result["prefill_hook"] = os.environ[PREFILL_HOOK_ENV]
+            hook(self.mgr)
+
+    def _run_decode_manager_hook(self) -> None:
+        """``SGLANG_HARNESS_DECODE_MANAGER_HOOK=<file.py>:<function>``: as the prefill hook,
+        on each decode rank's manager, right after it exists and before any request."""
+        hook = _load_hook(DECODE_MANAGER_HOOK_ENV)
+        if hook is not None:
+            self.result["decode_manager_hook"] = os.environ[DECODE_MANAGER_HOOK_ENV]
             hook(self.mgr)
 
     def verify(self, index: int, rec: Dict[str, Any]) -> None:

@@ -248,8 +248,7 @@ ENGINE_ENV = "SGLANG_DISAGG_EXT_MORI_ENGINE"
 
 def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, options=None,
               names: Optional[List[str]] = None) -> List[Dict]:
-    """The F3 rows of the selftest table (see the module docstring), then F12's
-    (``mori_newest.f12_rows``).
+    """The F3 rows of the selftest table (see the module docstring).
 
     ``real_engine``: use the installed ``mori`` instead of the stand-in;
     default from ``$SGLANG_DISAGG_EXT_MORI_ENGINE`` (``real``). ``options``
@@ -263,10 +262,8 @@ def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, opti
     options = (options or TransferOptions()).validated()
     if real_engine is None:
         real_engine = os.environ.get(ENGINE_ENV, "").lower() == "real"
-    rows = [r for r in _mori_rows(timeout_s, real_engine, options) if names is None or r["scenario"] in names]
-    from sglang_disagg_ext.selftest.scenarios import mori_newest  # imports this module
-
-    return rows + mori_newest.f12_rows(timeout_s, real_engine, options, names=names)
+    rows = _mori_rows(timeout_s, real_engine, options)
+    return [r for r in rows if names is None or r["scenario"] in names]
 
 
 def _mori_rows(timeout_s: float, real_engine: bool, options) -> List[Dict]:

@@ -199,3 +199,16 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
             ext_detail=None if ext_ok else ext.describe(logs=False),
         ))
     return rows
+
+
+def rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, options=None,
+         names: Optional[List[str]] = None) -> List[Dict]:
+    """Every MoRI row of the selftest table (``backend_table``): F3's
+    (``scenarios.mori.mori_rows``, same arguments), then F12's (:func:`f12_rows`)."""
+    from sglang_disagg_ext.selftest.harness.transport import TransferOptions
+
+    options = (options or TransferOptions()).validated()
+    if real_engine is None:
+        real_engine = os.environ.get(mori_rows.ENGINE_ENV, "").lower() == "real"
+    out = mori_rows.mori_rows(timeout_s, real_engine=real_engine, options=options, names=names)
+    return out + f12_rows(timeout_s, real_engine, options, names=names)

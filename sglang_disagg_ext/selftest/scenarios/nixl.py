@@ -142,6 +142,8 @@ class NixlScenario:
     ext_shim: bool = False
     # A test-only prefill hook in test/support/prefill_faults.py that both runs get ("" = none).
     prefill_hook: str = ""
+    # The same for each decode rank's manager (SGLANG_HARNESS_DECODE_MANAGER_HOOK).
+    decode_hook: str = ""
 
     def stock_env(self) -> Optional[Dict[str, str]]:
         return {nixl_shim.ENV: "1"} if self.stock_shim else None

@@ -36,6 +36,14 @@ before any code F11 is about runs). Expected texts are written out by hand:
   the reason, both requests Failed on both sides at once, and the thread goes
   on (decode rank 1's registration and both rooms' messages are served after
   the fault: otherwise no room could conclude).
+* **The decode listener raises** (``listener_fault``, test-only decode hook
+  ``raise_on_status_success``: decode's ``update_status(1000, Success)``,
+  called by ``apply_prefill_status`` on the listener thread for prefill's
+  Success message, raises once): stock's ``decode_listener_thread`` dies
+  (``InjectedFault`` in the thread errors) and both rooms end on decode only
+  by SGLang's waiting timeout (no later status reaches decode); ``-ext``: room
+  1000 Failed on decode at once with :data:`LISTENER_FAULT_REASON` (prefill
+  had concluded it Success), room 1001 Success with every byte checked.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=5.0, sglan
 FAILED_WITHIN_S = 2.5
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 PREFILL_HOOK = "raise_in_registration"
+DECODE_MANAGER_HOOK = "raise_on_status_success"
 
 
 def swa_unequal(p: int, d: int) -> Scenario:
@@ -147,6 +156,23 @@ def registration_fault() -> Scenario:
     )
 
 
+def listener_fault() -> Scenario:
+    return Scenario(
+        name="nixl decode listener raises tp1->tp1",
+        requests=[
+            RequestSpec([1, 2], [5, 6], aux_index=1, dst_aux_index=2),
+            RequestSpec([3], [7], aux_index=2, dst_aux_index=3),
+        ],
+        kv=KVPoolSpec(num_pages=9, head_num=2, head_dim=HEAD_DIM),
+        timeouts=TIMEOUTS,
+    )
+
+
+LISTENER_FAULT = "injected fault: decode status handler for room 1000"
+LISTENER_FAULT_REASON = (
+    f"nixl-ext (F11) decode listener: apply_prefill_status raised InjectedFault: {LISTENER_FAULT}; "
+    "the room is failed, the thread keeps serving"
+)
 FAULT = "injected fault: registration of decode TP rank 0"
 REGISTRATION_FAULT_REASON = f"decode TP rank 0 refused: its registration raised InjectedFault: {FAULT}"
 
@@ -175,6 +201,23 @@ def refused_ok(want: str):
     return passed
 
 
+def listener_survived(result) -> bool:
+    """Passed: room 1000 Failed on decode with the listener-fault reason within
+    FAILED_WITHIN_S, nothing written outside its pages; room 1001 ok (byte-checked);
+    no thread died."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    return (
+        bad.decode_status == "Failed"
+        and bad.decode_failure_reason == LISTENER_FAULT_REASON
+        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
+        and not any("must be untouched" in m for m in bad.mismatches)
+        and good.ok
+        and not any(r.thread_errors for r in result.requests)
+    )
+
+
 def _all_ok(result) -> bool:
     return result.ok
 
@@ -193,6 +236,8 @@ def _rows():
     out.append(row("swa heads differ tp2->tp1 refused at registration", swa_heads, refused_ok(SWA_HEADS_REASON)))
     out.append(row("registration raises tp1->tp2", registration_fault, refused_ok(REGISTRATION_FAULT_REASON),
                    prefill_hook=PREFILL_HOOK))
+    out.append(row("decode listener raises tp1->tp1", listener_fault, listener_survived,
+                   decode_hook=DECODE_MANAGER_HOOK))
     return out
 
 

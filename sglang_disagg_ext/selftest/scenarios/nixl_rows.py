@@ -21,10 +21,13 @@ def _row(name, stock, ext, verified, seconds, fix: str = "F4", **extra) -> Dict:
     return make_row(name, fix, "nixl", stock, ext, verified, seconds, **extra)
 
 
-def _with_hook(env: Optional[Dict[str, str]], hooks: Optional[str], hook: str) -> Optional[Dict[str, str]]:
-    if not hook:
-        return env
-    return dict(env or {}, SGLANG_HARNESS_PREFILL_HOOK=f"{hooks}:{hook}")
+def _with_hook(env: Optional[Dict[str, str]], hooks: Optional[str], builtin) -> Optional[Dict[str, str]]:
+    """``env`` plus the scenario's test-only manager hooks (``test/support/prefill_faults.py``)."""
+    if builtin.prefill_hook:
+        env = dict(env or {}, SGLANG_HARNESS_PREFILL_HOOK=f"{hooks}:{builtin.prefill_hook}")
+    if builtin.decode_hook:
+        env = dict(env or {}, SGLANG_HARNESS_DECODE_MANAGER_HOOK=f"{hooks}:{builtin.decode_hook}")
+    return env
 
 
 def _verdict(result, passed) -> str:
@@ -75,10 +78,10 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             rows.append(_row(builtin.name, "fail", "fail", False, 0.0, fix=builtin.fix,
                              ext_detail=f"not run: {start_failure}"))
             continue
-        if builtin.prefill_hook and hooks is None:
+        if (builtin.prefill_hook or builtin.decode_hook) and hooks is None:
             rows.append(_row(builtin.name, "n/a", "n/a", False, 0.0, fix=builtin.fix,
                              why="no source checkout: the fault hook (test/support/prefill_faults.py) "
-                                 "that makes a registration raise is not in the wheel"))
+                                 "that makes a manager method raise is not in the wheel"))
             continue
         start = time.monotonic()
         scenario = builtin.build()
@@ -88,7 +91,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             stock_verdict = "not run"
         else:
             stock = run_scenario(scenario, "nixl", timeout_s=timeout_s,
-                                 extra_env=_with_hook(builtin.stock_env(), hooks, builtin.prefill_hook), **transfer)
+                                 extra_env=_with_hook(builtin.stock_env(), hooks, builtin), **transfer)
             stock_verdict = _verdict(stock, builtin.passed)
             failure = engine_start_failure(stock)
             if failure:
@@ -97,7 +100,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             scenario,
             "nixl-ext",
             timeout_s=timeout_s,
-            extra_env=_with_hook(builtin.ext_env(), hooks, builtin.prefill_hook),
+            extra_env=_with_hook(builtin.ext_env(), hooks, builtin),
             decode_backend=builtin.decode_backend_for_ext,
             **transfer,
         )
