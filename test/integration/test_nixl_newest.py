@@ -90,7 +90,7 @@ def assert_stock_timed_out(result, p: int, d: int, thread_error: str):
         assert r.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, result.describe()
 
 
-SWA_TOPOLOGIES = [(2, 1), (1, 2), (1, 1)]
+SWA_TOPOLOGIES = [(2, 1), (1, 2), (1, 4), (1, 1)]
 
 
 @pytest.mark.timeout(RUN_BOUND_S)

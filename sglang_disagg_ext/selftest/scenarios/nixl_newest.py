@@ -14,6 +14,8 @@ before any code F11 is about runs). Expected texts are written out by hand:
   "... prefill=1, decode=2" (common/conn.py:1802-1806). ``-ext``: all three
   Success, decode holds prefill page 1 -> 4, 2 -> 5, 7 -> 9 (the harness
   verifies the first min(len) pairs per head, every other page the sentinel).
+  Run for prefill TP 2 -> decode TP 1, 1 -> 2 and 1 -> 4 (2 KV heads: each
+  of the 4 decode ranks holds a replica of one head).
   At equal TP (1 -> 1) stock fails the same lists with "State index length
   mismatch at component 0: prefill=3, dst=2" (nixl/conn.py:3230-3233).
 * **3 KV heads, prefill TP 1 -> decode TP 2** (``three_heads``): no head
@@ -231,7 +233,7 @@ def _rows():
         return NixlScenario(name, build, passed, _stock_fails_where_live, fix="F11", ext_shim=True, **kw)
 
     out = [row(f"swa unequal page lists tp{p}->tp{d}", lambda p=p, d=d: swa_unequal(p, d), _all_ok)
-           for p, d in ((2, 1), (1, 2), (1, 1))]
+           for p, d in ((2, 1), (1, 2), (1, 4), (1, 1))]
     out.append(row("3 kv heads tp1->tp2 refused at registration", three_heads, refused_ok(three_heads_reason())))
     out.append(row("swa heads differ tp2->tp1 refused at registration", swa_heads, refused_ok(SWA_HEADS_REASON)))
     out.append(row("registration raises tp1->tp2", registration_fault, refused_ok(REGISTRATION_FAULT_REASON),
