@@ -31,13 +31,13 @@ from typing import Dict, List, Optional, Sequence
 
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-from sglang_disagg_ext import activation_log, metrics, releases, verification
+from sglang_disagg_ext import activation_log, releases, verification
 from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
 from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
 from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
 from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
 from sglang_disagg_ext.backends.mooncake_verify import VerifiedTransferMixin
-from sglang_disagg_ext.core.rate_limit import EveryInterval
+from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
     Route,
@@ -48,21 +48,6 @@ from sglang_disagg_ext.core.state_plan import (
 from sglang_disagg_ext.releases import ReleasePolicy, StateLayout
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake")
-# A trim repeats on every transfer of an affected model: one WARNING per
-# component and kind a minute, naming how many were not logged in between.
-_TRIMS_LOGGED = EveryInterval(60.0)
-
-
-def _log_trim(plan) -> None:
-    metrics.count("state_trims_total", component=plan.component, kind=plan.kind)
-    held = _TRIMS_LOGGED.admit((plan.component, plan.kind))
-    if held is None:
-        logger.debug(plan.describe_trim())
-    elif held:
-        logger.warning("%s (%d more trims of this component in the last %.0f s not logged)",
-                       plan.describe_trim(), held, _TRIMS_LOGGED.interval_s)
-    else:
-        logger.warning(plan.describe_trim())
 
 
 class MooncakeExtKVManager(MooncakeKVManager):
@@ -149,7 +134,7 @@ class MooncakeExtKVManager(MooncakeKVManager):
             )
         check_paged_item_lens(plan.component, plan.kind, src_item_lens, dst_item_lens)
         if plan.trimmed:
-            _log_trim(plan)
+            report_trim(plan, logger)
         return self._send_kvcache_generic(
             mooncake_session_id=req.mooncake_session_id,
             src_data_ptrs=list(src_data_ptrs),

@@ -59,6 +59,7 @@ except ModuleNotFoundError as _exc:  # pragma: no cover - depends on the machine
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import activation_log
+from sglang_disagg_ext.backends.shared import probe_prefill_version
 from sglang_disagg_ext.core.state_blocks import mamba_slot_block, paged_byte_blocks
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -472,35 +473,24 @@ class MoriExtKVManager(MoriKVManager):
         cannot be asked right now), else why this decode must not register there."""
         if bootstrap_addr in self._prefill_wire:
             return self._prefill_wire[bootstrap_addr]
-        import requests
-
-        url = f"http://{bootstrap_addr}{WIRE_ROUTE}"
-        try:
-            response = requests.get(url, timeout=WIRE_PROBE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - unreachable: let SGLang's own checks report it
-            logger.warning("mori-ext: cannot ask %s for its state wire (%s); asking again next request", url, exc)
+        answered, version = probe_prefill_version(bootstrap_addr, WIRE_ROUTE, "state_wire_version",
+                                                  WIRE_PROBE_TIMEOUT_S, logger)
+        if not answered:
             return None
-        if response.status_code == 404:
+        if version is None:
             problem = (
                 f"the prefill behind bootstrap server {bootstrap_addr} does not speak the per-component "
                 f"MoRI state wire v{WIRE_VERSION} of sglang_disagg_ext (its bootstrap server has no "
                 f"{WIRE_ROUTE}): it runs stock `mori`, which on SGLang 0.5.12.x sends hybrid state as "
                 "one flat list. Start the prefill with --disaggregation-transfer-backend mori-ext too"
             )
-        elif response.status_code == 200:
-            try:
-                version = response.json().get("state_wire_version")
-            except Exception:  # noqa: BLE001
-                version = None
+        else:
             problem = (
                 None
                 if version == WIRE_VERSION
                 else f"the prefill behind bootstrap server {bootstrap_addr} speaks MoRI state wire "
                 f"v{version}, this decode v{WIRE_VERSION}: run the same sglang_disagg_ext on both sides"
             )
-        else:
-            logger.warning("mori-ext: %s answered %s; asking again next request", url, response.status_code)
-            return None
         self._prefill_wire[bootstrap_addr] = problem
         if problem:
             logger.error("mori-ext: %s", problem)

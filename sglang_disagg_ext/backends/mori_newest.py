@@ -51,6 +51,7 @@ from sglang.srt.disaggregation.mori import conn as _conn
 from sglang.srt.utils.network import NetworkAddress
 
 from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.backends.shared import probe_prefill_version
 from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
 
 logger = logging.getLogger("sglang_disagg_ext.mori")
@@ -197,33 +198,22 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
         asked right now), else why this decode must not register there."""
         if bootstrap_addr in self._prefill_order:
             return self._prefill_order[bootstrap_addr]
-        import requests
-
-        url = f"http://{bootstrap_addr}{ORDER_ROUTE}"
-        try:
-            response = requests.get(url, timeout=PROBE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - unreachable: SGLang's own checks report it
-            logger.warning("mori-ext: cannot ask %s whether it orders metadata (%s); asking again", url, exc)
+        answered, version = probe_prefill_version(bootstrap_addr, ORDER_ROUTE, "aux_order_version",
+                                                  PROBE_TIMEOUT_S, logger)
+        if not answered:
             return None
-        if response.status_code == 404:
+        if version is None:
             problem = (
                 f"the prefill behind bootstrap server {bootstrap_addr} runs stock `mori`, which sends "
                 "metadata rows and the room's status on two sockets (SGLang mori/conn.py send_aux_tcp): "
                 "this decode could report Success before the metadata lands. Start the prefill with "
                 "--disaggregation-transfer-backend mori-ext too"
             )
-        elif response.status_code == 200:
-            try:
-                version = response.json().get("aux_order_version")
-            except Exception:  # noqa: BLE001
-                version = None
+        else:
             problem = None if version == ORDER_VERSION else (
                 f"the prefill behind bootstrap server {bootstrap_addr} speaks metadata order v{version}, "
                 f"this decode v{ORDER_VERSION}: run the same sglang_disagg_ext on both sides"
             )
-        else:
-            logger.warning("mori-ext: %s answered %s; asking again next request", url, response.status_code)
-            return None
         self._prefill_order[bootstrap_addr] = problem
         if problem:
             logger.error("mori-ext: %s", problem)

@@ -55,15 +55,12 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
-from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
 from sglang_disagg_ext.core.thread_survival import failure_reason, root_cause
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
-# A trim repeats on every request of an affected model: one WARNING per
-# component a minute, as mooncake-ext does for F1.
-_TRIMS_LOGGED = EveryInterval(60.0)
 
 
 class NixlNewestKVManager(NixlKVManager):
@@ -321,7 +318,7 @@ class NixlNewestKVManager(NixlKVManager):
             if src_out is None:
                 src_out, dst_out = list(prefill_state_indices), list(dst_state_indices)
             src_out[i], dst_out[i] = src_a.tolist(), dst_a.tolist()
-            _log_trim(ComponentPlan(i, "swa", Route.PAGED, src_a, dst_a, len(src_i), len(dst_i)))
+            report_trim(ComponentPlan(i, "swa", Route.PAGED, src_a, dst_a, len(src_i), len(dst_i)), logger)
         if src_out is None:
             return prefill_state_indices, dst_state_indices
         return src_out, dst_out
@@ -334,15 +331,3 @@ def _room_of(msg, index: int = 0) -> Optional[int]:
     except Exception:  # noqa: BLE001 - a frame that is not a room
         return None
     return int(text) if text.isdigit() else None
-
-
-def _log_trim(plan: ComponentPlan) -> None:
-    metrics.count("state_trims_total", component=plan.component, kind=plan.kind)
-    held = _TRIMS_LOGGED.admit((plan.component, plan.kind))
-    if held is None:
-        logger.debug(plan.describe_trim())
-    elif held:
-        logger.warning("%s (%d more trims of this component in the last %.0f s not logged)",
-                       plan.describe_trim(), held, _TRIMS_LOGGED.interval_s)
-    else:
-        logger.warning(plan.describe_trim())

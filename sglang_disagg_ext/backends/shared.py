@@ -1,0 +1,61 @@
+"""Small pieces two or more adapters share, with no SGLang import.
+
+* :func:`report_trim`: a state-page list cut to its counterpart's length (F1 on
+  Mooncake, F11 on NIXL) is counted in ``state_trims_total`` and logged, one
+  WARNING per component and kind a minute (it repeats on every request of an
+  affected model), naming how many were not logged in between.
+* :func:`probe_prefill_version`: an ``-ext`` decode asks the prefill's
+  bootstrap server (an extra HTTP route the ``-ext`` prefill adds) which
+  version of a plugin wire it speaks (MoRI F3 state wire, F12 metadata order).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.core.rate_limit import EveryInterval
+
+_TRIMS_LOGGED = EveryInterval(60.0)
+
+
+def report_trim(plan, logger: logging.Logger) -> None:
+    """Count and log one trim; ``plan`` is a ``core.state_plan.ComponentPlan``."""
+    metrics.count("state_trims_total", component=plan.component, kind=plan.kind)
+    held = _TRIMS_LOGGED.admit((plan.component, plan.kind))
+    if held is None:
+        logger.debug(plan.describe_trim())
+    elif held:
+        logger.warning("%s (%d more trims of this component in the last %.0f s not logged)",
+                       plan.describe_trim(), held, _TRIMS_LOGGED.interval_s)
+    else:
+        logger.warning(plan.describe_trim())
+
+
+def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: float,
+                          logger: logging.Logger) -> Tuple[bool, Optional[object]]:
+    """GET ``http://<bootstrap_addr><route>`` and read ``key`` of its JSON answer.
+
+    Returns ``(False, None)`` where there is no definite answer yet (unreachable,
+    an unexpected status: logged, ask again later), ``(True, None)`` for a 404 (a
+    stock prefill: the route is the ``-ext`` prefill's), ``(True, version)`` for a
+    200 (``version`` None when the answer has no such key).
+    """
+    import requests
+
+    url = f"http://{bootstrap_addr}{route}"
+    try:
+        response = requests.get(url, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - unreachable: SGLang's own checks report it
+        logger.warning("cannot ask %s for %s (%s); asking again next request", url, key, exc)
+        return False, None
+    if response.status_code == 404:
+        return True, None
+    if response.status_code != 200:
+        logger.warning("%s answered %s; asking again next request", url, response.status_code)
+        return False, None
+    try:
+        return True, response.json().get(key)
+    except Exception:  # noqa: BLE001 - an answer that is not JSON: no version
+        return True, None
