@@ -18,7 +18,7 @@ PATCHED := .patched-$(SGLANG)
 PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nixl_ext.py \
 	test/integration/test_retract_f5.py test/integration/test_mori_ext.py
 
-.PHONY: setup test test-all demo bench doctor clean clean-release check-patches test-patched ci-release print-matrix
+.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -64,6 +64,12 @@ test-patched: setup
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/bench.txt
 	$(PY) -m bench.run
+
+# The long soak (issue 19): stock and -ext side by side; CI runs a short one in `make test`
+# (test/integration/test_soak_engine.py). SOAK_ARGS adds to or overrides the options.
+SOAK_ARGS ?=
+soak: setup
+	$(VENV)/bin/sglang-disagg-ext selftest --soak --requests 4096 --wave 64 $(SOAK_ARGS)
 
 clean:
 	rm -rf .venv .venv-* .patched-*

@@ -25,6 +25,9 @@ Names (all prefixed ``sglang_disagg_ext_``):
 * ``thread_recoveries_total``: transfer-path loops re-entered after an
   exception (F8 on Mooncake; F11: NIXL's bootstrap thread after a failed
   registration, its decode listener after a failed status message), by ``role`` and ``thread``.
+* ``session_probes_total``: F6 probes of a Mooncake decode session after a failed
+  transfer, by ``fix`` and ``result`` (``alive``: the session stays usable;
+  ``dead``: marked failed, as stock marks it).
 * ``retract_offloads_total``: F5 index-key offloads on retract.
 * ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
   by ``result`` (``ok``, or ``unverified``: some source rank sent no digest).
@@ -51,6 +54,8 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Requests the plugin ended Failed after the transfer started", ("fix", "reason")),
     "thread_recoveries_total": (
         "counter", "Transfer-path loops re-entered after an unexpected exception (F8, F11)", ("role", "thread")),
+    "session_probes_total": (
+        "counter", "Decode sessions probed after a failed transfer before being marked failed (F6)", ("fix", "result")),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
     "verified_transfers_total": (
         "counter", "Rooms decode checked against the prefill digest (issue 16)", ("result",)),

@@ -20,8 +20,12 @@ Here:
   not marked: the next request to the same decode is served;
 * a peer that published no sizes (stock decode) gets stock behaviour and one
   INFO line saying so at its registration;
-* a transfer that fails for any other reason (the peer really gone) still
-  marks the session, exactly as stock does: nothing in that path changes.
+* a transfer that fails for any other reason fails its room as stock does,
+  but the session is marked only once the peer also fails a probe
+  (:class:`ProbeFirstSessions`). Stock marks it after the one failure: a
+  link that drops a single write then fails every request to that decode
+  until the probe loop's next pass (30 s, backing off to 300 s). A peer that
+  is really gone fails its probe and is marked as stock marks it.
 
 Needs the 0.5.23 manager hooks (``build_receiver_registration_message``,
 ``_make_worker_recv``, ``conclude_failure``). On releases whose decode builds
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
+import threading
 
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin
@@ -53,6 +59,9 @@ class RequestIsolationMixin(PeerPoolsMixin):
         # forgotten, so a room that never reaches its last chunk cannot leak.
         self._rooms_checked = collections.OrderedDict()
         super().__init__(*args, **kwargs)
+        # Prefill only (stock makes the set there): see ProbeFirstSessions.
+        if isinstance(self.__dict__.get("failed_sessions"), set):
+            self.failed_sessions = ProbeFirstSessions(self, self.failed_sessions)
 
     def add_transfer_request(self, bootstrap_room, *args, **kwargs):
         """Stock ``add_transfer_request``, after checking decode's indices for the room.
@@ -111,3 +120,57 @@ def _component_class(reason: str) -> str:
         if marker in f" {reason}":
             return name
     return "other"
+
+
+class ProbeFirstSessions(set):
+    """Prefill's ``failed_sessions`` whose ``add`` asks the peer before it blacklists it.
+
+    Stock's transfer thread calls ``failed_sessions.add(session)`` (holding
+    ``session_lock``) after one failed engine call, and from then on every request
+    to that decode fails without a transfer until stock's probe loop lifts it.
+    Here ``add`` only queues the session for one probe (stock's own
+    ``_send_probe``, the engine's ``send_probe``) on a thread of its own and
+    returns: the failed room is already concluded Failed by stock. A peer that
+    answers stays usable (the failure was that transfer's, not the peer's); one
+    that does not is added to the set, and from there stock's probe loop,
+    ``in`` checks and ``_unblacklist_session`` work on it unchanged. While the
+    probe runs, requests to the peer go to the engine as before: each one that
+    fails there fails alone. ``add`` never blocks and never raises.
+    """
+
+    def __init__(self, mgr, initial=()):
+        super().__init__(initial)
+        self._mgr = mgr
+        self._pending = set()
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._probe_loop, name="disagg-ext-session-probe", daemon=True)
+        self._thread.start()
+
+    def add(self, session) -> None:
+        # Called with stock's session_lock held: only bookkeeping here.
+        if session in self or session in self._pending:
+            return
+        self._pending.add(session)
+        self._queue.put(session)
+
+    def _probe_loop(self) -> None:
+        while True:
+            session = self._queue.get()
+            try:
+                rc = self._mgr._send_probe(session)  # stock: -1 when the engine raises
+            except Exception as exc:  # never let this thread die
+                logger.warning("probe of mooncake session %s raised: %s", session, exc)
+                rc = -1
+            with self._mgr.session_lock:
+                self._pending.discard(session)
+                if rc == 0:
+                    self._mgr.session_failures.pop(session, None)
+                else:
+                    set.add(self, session)
+            if rc == 0:
+                logger.warning("a transfer to mooncake session %s failed, but the peer answers a probe: "
+                               "only that request failed, the session stays usable", session)
+            else:
+                logger.error("mooncake session %s failed a transfer and its probe (rc=%s): "
+                             "marked failed, as stock marks it", session, rc)
+            metrics.count("session_probes_total", fix="F6", result="alive" if rc == 0 else "dead")

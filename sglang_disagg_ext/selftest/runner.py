@@ -108,6 +108,8 @@ def mooncake_scenarios(policy) -> List:
     out = list(mooncake.scenarios_for(policy))
     for module in (isolation, state_pairing, thread_survival, registration):
         out += [s for s in module.SCENARIOS if s.applies(policy)]
+    if isolation.DROPPED_WRITE.applies(policy):
+        out.append(isolation.DROPPED_WRITE)
     return out
 
 
@@ -316,6 +318,40 @@ def default_backends() -> List[str]:
     return out
 
 
+def soak_main(args, policy, options) -> int:
+    """``selftest --soak``: the soak through stock and -ext (Mooncake), side by side; exit 0
+    when the -ext run kept every invariant (``selftest.soak.judge``)."""
+    from sglang_disagg_ext.selftest import soak
+
+    if options.protocol != "tcp" or options.device_type != "cpu":
+        print("selftest: --soak runs Mooncake over TCP with CPU pools only", file=sys.stderr)
+        return 2
+    if args.backend and set(args.backend) != {"mooncake"}:
+        print("selftest: --soak covers Mooncake only (NIXL soak not built yet)", file=sys.stderr)
+        return 2
+    cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=args.fault_rate,
+                          bad_rate=args.bad_rate, seed=args.seed)
+    try:
+        soak.make_scenario(cfg).validate()
+    except ValueError as exc:
+        print(f"selftest: --soak: {exc}", file=sys.stderr)
+        return 2
+    backends = ["mooncake-ext"] if getattr(args, "ext_only", False) else ["mooncake", "mooncake-ext"]
+    print(f"[selftest] soak on SGLang {policy.version}: {cfg.requests} requests, {cfg.wave} at a time, "
+          f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, seed {cfg.seed}", file=sys.stderr)
+    summaries = []
+    for backend in backends:
+        summaries.append(soak.run_soak(backend, cfg))
+        print(f"[selftest] soak {backend}: {'PASS' if summaries[-1]['passed'] else 'FAIL'} "
+              f"({summaries[-1]['wall_s']:.0f} s)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"sglang": policy.version, "config": dataclasses.asdict(cfg), "summaries": summaries},
+                         indent=1))
+    else:
+        print(soak.format_summaries(summaries))
+    return 0 if summaries[-1]["passed"] else 1
+
+
 def main(args) -> int:
     policy = releases.current_policy()
     try:
@@ -328,6 +364,8 @@ def main(args) -> int:
     except TransportOptionError as exc:
         print(f"selftest: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "soak", False):
+        return soak_main(args, policy, options)
     backends = args.backend or default_backends()
     if getattr(args, "list", False):
         for name in scenario_names(backends):

@@ -179,6 +179,37 @@ def expected_after_request(scn: Scenario, index: int) -> Dict[int, PoolExpectati
     return out
 
 
+def wave_expectations(
+    scn: Scenario, statuses: Dict[int, Optional[str]]
+) -> Tuple[Dict[int, Dict[int, PoolExpectation]], Dict[int, PoolExpectation]]:
+    """What decode must hold after a wave (``Scenario.wave``) whose decode statuses are
+    ``statuses`` (request index -> KVPoll name), starting from all-sentinel pools.
+
+    Returns (per room, untargeted): for each request that ended Success, pool id ->
+    its writes (nothing else checked there); and pool id -> every page no request
+    of the wave targets, which must still hold the sentinel. Pages of a request that
+    did not succeed are in neither: what landed there before it failed is not checked.
+    """
+    names = pool_names(scn)
+    per_room: Dict[int, Dict[int, PoolExpectation]] = {}
+    targeted: Dict[int, set] = {pid: set() for pid in names}
+    for index, status in statuses.items():
+        pairs = request_pairs(scn, index)
+        for pid, pages in _targeted(scn, index).items():
+            targeted[pid] |= pages
+        if status != "Success":
+            continue
+        per_room[index] = {}
+        for pid, (name, n) in names.items():
+            writes = {d: s for d, s in _writes(pairs.get(pid, [])).items() if 0 <= d < n}
+            per_room[index][pid] = PoolExpectation(pid, name, n, writes, [])
+    untargeted = {
+        pid: PoolExpectation(pid, name, n, {}, [p for p in range(n) if p not in targeted[pid]])
+        for pid, (name, n) in names.items()
+    }
+    return per_room, untargeted
+
+
 def source_buffer(
     scn: Scenario, pool_id: int, decode_buffer: int, decode_buffers: Optional[int] = None
 ) -> Tuple[Optional[int], List[int]]:

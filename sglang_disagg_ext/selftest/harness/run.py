@@ -121,6 +121,13 @@ class ScenarioResult:
     transfer: Dict[str, Any] = dataclasses.field(default_factory=dict)
     engines: Dict[str, Any] = dataclasses.field(default_factory=dict)
     pool_devices: Dict[str, Dict[str, str]] = dataclasses.field(default_factory=dict)
+    # Wave runs (``Scenario.wave``): per worker, each wave's size, seconds and (decode)
+    # writes found on pages no request of the wave targeted; per worker, the threads
+    # alive when its first wave began that were gone after a later one; prefill's
+    # dropped-write fault (``harness.faults``) and how many engine calls it failed.
+    waves: Dict[str, List[Dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    threads_died: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
+    dropped_writes: Optional[Dict[str, Any]] = None
 
     @property
     def ok(self) -> bool:
@@ -255,11 +262,12 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 
 
 def default_timeout(scn: Scenario) -> float:
-    """The whole run's bound: startup, every request, and 15 s per process beyond two
+    """The whole run's bound: startup, every request (wave), and 15 s per process beyond two
     (imports and gloo rendezvous of every rank share two cores)."""
     t = scn.timeouts
     n_children = scn.prefill_tp + scn.decode_tp
-    return t.startup_s + len(scn.requests) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2)
+    # A wave's requests run side by side: each wave is bounded like one request.
+    return t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2)
 
 
 def rank_names(scn: Scenario) -> List[str]:
@@ -486,6 +494,9 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.plugin_metrics = {name: side[name].get("plugin_metrics", "") for name in names}
     result.pool_devices = {name: pool_devices(side[name]) for name in names}
     result.sglang_ranks = {name: side[name].get("sglang_ranks", {}) for name in names}
+    result.waves = {name: side[name]["waves"] for name in names if "waves" in side[name]}
+    result.threads_died = {name: side[name]["threads_died"] for name in names if "threads_died" in side[name]}
+    result.dropped_writes = p0.get("dropped_writes")
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])

@@ -29,6 +29,10 @@ AUX_POOL_ID = 1
 STATE_POOL_BASE = 2
 
 KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
+# What a soak request was made to suffer (``RequestSpec.fault``): "engine": one of
+# its decode KV pages is in ``Scenario.dropped_kv_pages``, whose writes prefill's
+# engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool.
+REQUEST_FAULTS = ("engine", "bad_index")
 
 
 class ScenarioError(ValueError):
@@ -112,6 +116,9 @@ class RequestSpec:
     # dst_pages) may lie outside decode's pools, for tests of what a backend
     # does with such a request. Nothing is expected at such an index.
     allow_out_of_pool: bool = False
+    # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
+    # that the harness knows which requests may end Failed. None: a valid request.
+    fault: Optional[str] = None
 
     @property
     def decode_aux_index(self) -> int:
@@ -172,6 +179,13 @@ class Scenario:
     # KV_CHECKSUM_SIDES. On one side only, that side has one more aux buffer
     # (the last), which the other side's pools have no counterpart for.
     kv_checksum_on: str = "none"
+    # Requests run ``wave`` at a time on each side (all senders / receivers of a
+    # wave made, then sent, then polled together; decode checks the wave's bytes
+    # and resets its pools after it). 1: one after another. Single rank a side only.
+    wave: int = 1
+    # Decode KV pages whose writes prefill's transfer engine fails, as a link that
+    # drops them would (``harness.faults.drop_engine_writes``); empty: no fault.
+    dropped_kv_pages: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def multi_rank(self) -> bool:
@@ -181,6 +195,11 @@ class Scenario:
     def room_of(self, index: int) -> int:
         req = self.requests[index]
         return req.room if req.room is not None else self.room_base + index
+
+    def waves(self) -> List[List[int]]:
+        """Request indices, ``wave`` at a time, in order."""
+        n = len(self.requests)
+        return [list(range(i, min(n, i + self.wave))) for i in range(0, n, self.wave)]
 
     def kv_buffer_count(self) -> int:
         return 2 * self.num_layers
@@ -207,6 +226,13 @@ class Scenario:
                 f"{self.name}: kv_checksum_on {self.kv_checksum_on!r} not one of {', '.join(KV_CHECKSUM_SIDES)}"
             )
         _check_ranks(self)
+        if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
+            raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")
+        if self.wave > 1 and self.multi_rank:
+            raise ScenarioError(f"{self.name}: wave {self.wave} needs one rank a side")
+        if self.wave > 1 and self.aux_rows < self.wave:
+            raise ScenarioError(f"{self.name}: wave {self.wave} needs at least as many aux rows ({self.aux_rows})")
+        _check_pages(self, "dropped_kv_pages", self.dropped_kv_pages, self.kv.num_pages)
         rooms = set()
         for r, req in enumerate(self.requests):
             room = self.room_of(r)
@@ -221,6 +247,8 @@ class Scenario:
                     continue
                 if not 0 <= idx < self.aux_rows:
                     raise ScenarioError(f"{self.name}: request {r} {label} {idx} not in [0, {self.aux_rows})")
+            if req.fault is not None and req.fault not in REQUEST_FAULTS:
+                raise ScenarioError(f"{self.name}: request {r} fault {req.fault!r} not one of {REQUEST_FAULTS}")
             if req.send_chunks < 1:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
             if len(req.state) != len(self.state_pools):

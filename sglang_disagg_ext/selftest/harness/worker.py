@@ -118,6 +118,8 @@ class Worker:
 
     # -- result file ---------------------------------------------------------
     def write_result(self) -> None:
+        if getattr(self, "dropped", None) is not None:
+            self.result["dropped_writes"] = self.dropped.report()
         self.result["thread_errors"] = [m for _, m in self.thread_errors.items][:20]
         self.result["plugin_log"] = [m for _, m in self.plugin_log.lines if m.startswith("INFO ")][:20]
         self.result["plugin_metrics"] = _plugin_metrics_text()
@@ -244,6 +246,10 @@ class Worker:
         self.result["sglang_ranks"] = ss.sglang_ranks(self.mgr)
         if self.role == "prefill":
             self._run_prefill_hook()
+            if self.scn.dropped_kv_pages:
+                from sglang_disagg_ext.selftest.harness import faults
+
+                self.dropped = faults.drop_engine_writes(self.mgr, self.scn.dropped_kv_pages)
         else:
             self._run_decode_manager_hook()
         self.KVPoll = ss.kvpoll()
@@ -585,6 +591,9 @@ class Worker:
         }
 
     def run_requests(self) -> None:
+        if self.scn.wave > 1:
+            self.run_waves()
+            return
         for index in range(len(self.scn.requests)):
             room = self.scn.room_of(index)
             t0 = _now()
@@ -615,6 +624,142 @@ class Worker:
             rec["log"] = self.logs.since(t0)
             rec["thread_errors"] = self.thread_errors.since(t0)
             self.write_result()
+
+    # -- waves (the soak) ----------------------------------------------------
+    def run_waves(self) -> None:
+        """``scn.wave`` requests at a time: every sender/receiver of a wave is made, then
+        each is sent, then all are polled to a final state, as a scheduler holding
+        that many requests does. Decode checks the wave's bytes, then resets its pools."""
+        self._threads_at_start = {t.ident: t.name for t in threading.enumerate()}
+        self.result["waves"] = []
+        for w, indices in enumerate(self.scn.waves()):
+            t0 = _now()
+            recs = []
+            for index in indices:
+                rec = {"index": index, "room": self.scn.room_of(index), "status": None, "seconds": None,
+                       "error": None, "wave": w}
+                self.result["requests"].append(rec)
+                recs.append(rec)
+            wave = {"wave": w, "requests": len(indices)}
+            try:
+                if self.role == "prefill":
+                    self._prefill_wave(indices, recs)
+                else:
+                    self._decode_wave(indices, recs, wave)
+            except Exception:
+                err = traceback.format_exc(limit=8)[-4000:]
+                for rec in recs:
+                    rec["error"] = rec["error"] or err
+            for rec in recs:
+                rec["timed_out"] = rec["status"] not in FINAL
+                if rec["status"] == "Failed" or rec["error"]:
+                    rec["failure_reason"] = self.ss.failure_reason(self.mgr, rec["room"])
+                rec["log"] = []
+                rec["thread_errors"] = self.thread_errors.since(t0)
+            wave["seconds"] = round(_now() - t0, 3)
+            self.result["waves"].append(wave)
+            self.result["threads_died"] = sorted(
+                f"{name} (ident {ident})" for ident, name in self._threads_at_start.items()
+                if ident not in {t.ident for t in threading.enumerate()}
+            )
+            self.write_result()
+
+    def _poll_all(self, objs: Dict[int, Any], targets, deadline: float) -> Dict[int, str]:
+        """Poll each object until its state is in ``targets`` or the deadline passes; index -> state."""
+        states = {i: None for i in objs}
+        while True:
+            for i, obj in objs.items():
+                if states[i] not in targets:
+                    states[i] = self.ss.poll_name(obj.poll())
+            if all(st in targets for st in states.values()) or time.monotonic() > deadline:
+                return states
+            time.sleep(POLL_SLEEP_S)
+
+    def _prefill_wave(self, indices: List[int], recs: List[Dict[str, Any]]) -> None:
+        import numpy as np
+
+        def send(sender, req) -> None:
+            sender.init(len(req.src_kv_pages), req.aux_index)
+            sender.send(np.asarray(req.src_kv_pages, dtype=np.int32), state_indices=self._state_lists(req, "src_pages"))
+
+        senders = {i: self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
+                   for i, rec in zip(indices, recs)}
+        self._wave_transfer(senders, indices, recs, send)
+
+    def _decode_wave(self, indices: List[int], recs: List[Dict[str, Any]], wave: Dict[str, Any]) -> None:
+        import numpy as np
+
+        def send_metadata(receiver, req) -> None:
+            receiver.send_metadata(np.asarray(req.dst_kv_pages, dtype=np.int32), req.decode_aux_index,
+                                   self._state_lists(req, "dst_pages"))
+
+        receivers = {}
+        for i, rec in zip(indices, recs):
+            receivers[i] = self.ss.make_receiver(self.classes["receiver"], self.mgr, self.bootstrap_addr, rec["room"])
+            receivers[i].init(0)
+        self._wave_transfer(receivers, indices, recs, send_metadata)
+        self._verify_wave(indices, recs, wave)
+
+    def _wave_transfer(self, objs: Dict[int, Any], indices: List[int], recs: List[Dict[str, Any]], start) -> None:
+        """Every sender/receiver of the wave to WaitingForInput, then ``start(obj, request)``
+        on each that got there, then all of those to a final state; one deadline for the
+        wave. Records each request's status and seconds from its start to its final state."""
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        states = self._poll_all(objs, ("WaitingForInput",) + FINAL, deadline)
+        started = {}
+        for i, rec in zip(indices, recs):
+            if states[i] != "WaitingForInput":
+                rec["status"] = states[i]
+                continue
+            started[i] = time.monotonic()
+            start(objs[i], self.scn.requests[i])
+        ends = self._poll_all_timed({i: objs[i] for i in started}, deadline)
+        for i, rec in zip(indices, recs):
+            if i in started:
+                rec["status"], t_end = ends[i]
+                rec["seconds"] = round(t_end - started[i], 4)
+
+    def _poll_all_timed(self, objs: Dict[int, Any], deadline: float) -> Dict[int, tuple]:
+        """As ``_poll_all`` to a final state, with the time each was first seen final."""
+        out: Dict[int, tuple] = {}
+        while True:
+            now = time.monotonic()
+            for i, obj in objs.items():
+                if i not in out:
+                    st = self.ss.poll_name(obj.poll())
+                    if st in FINAL:
+                        out[i] = (st, now)
+            if len(out) == len(objs) or now > deadline:
+                for i, obj in objs.items():
+                    out.setdefault(i, (self.ss.poll_name(obj.poll()), now))
+                return out
+            time.sleep(POLL_SLEEP_S)
+
+    def _verify_wave(self, indices: List[int], recs: List[Dict[str, Any]], wave: Dict[str, Any]) -> None:
+        """Each Success room's pages hold its source bytes; every page no room of the wave
+        targets holds the sentinel (a write there is a stray, reported for the wave); the
+        pages of a room that did not succeed are not checked. Then every pool back to the
+        sentinel for the next wave."""
+        from sglang_disagg_ext.selftest.harness import patterns
+
+        statuses = {i: rec["status"] for i, rec in zip(indices, recs)}
+        per_room, stray = patterns.wave_expectations(self.scn, statuses)
+        for i, rec in zip(indices, recs):
+            rec["mismatches"] = []
+        for pool in self.pools:
+            for b, view in enumerate(pool.views):
+                label = f"{pool.name} buffer {b}"
+                for i, rec in zip(indices, recs):
+                    if i in per_room:
+                        rec["mismatches"] += patterns.compare_buffer(view, pool.pool_id, b, per_room[i][pool.pool_id],
+                                                                     label)
+                wave.setdefault("stray_writes", [])
+                wave["stray_writes"] += patterns.compare_buffer(view, pool.pool_id, b, stray[pool.pool_id], label)
+        for i, rec in zip(indices, recs):
+            rec["bytes_verified"] = i in per_room and not rec["mismatches"]
+        for pool in self.pools:
+            for view in pool.views:
+                view.fill_(patterns.SENTINEL)
 
     def main(self) -> int:
         try:

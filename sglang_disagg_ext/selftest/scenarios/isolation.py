@@ -9,11 +9,18 @@ within a bound, with a reason naming the component, the index and the pool
 size; decode holds nothing it wrote; the three valid requests pass,
 verified byte for byte.
 
+A third scenario has a *valid* first request whose one KV write the engine
+fails (``Scenario.dropped_kv_pages``, ``harness.faults``: a link that drops a
+write). Stock blacklists the session the same way; ``-ext`` fails that request
+on both sides with stock's engine-failure reason, probes the peer, finds it
+alive and keeps the session: the three valid requests pass.
+
 Expected reasons are written out by hand from each scenario's numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 from sglang_disagg_ext import releases
@@ -65,6 +72,35 @@ def _bad_state(policy: releases.ReleasePolicy) -> Scenario:
         state=[StateSpec("swa", [0, 1, 2], [0, 1, 8])], allow_out_of_pool=True,
     )
     return _scenario("bad swa state page, then 3 good", bad, state=True)
+
+
+def _dropped_write(policy: releases.ReleasePolicy) -> Scenario:
+    # A valid request (decode pages 10, 11 of 12) whose writes into decode page 11 the engine fails.
+    first = RequestSpec([1, 2], [10, 11], aux_index=0, dst_aux_index=0, fault="engine")
+    return dataclasses.replace(_scenario("dropped write, then 3 good", first, state=False), dropped_kv_pages=[11])
+
+
+def dropped_write_problem(result) -> Optional[str]:
+    """None when request 0 ended Failed on both sides with stock's engine-failure reason and
+    nothing landed outside its pages, and requests 1.. all passed byte for byte."""
+    if result.error or len(result.requests) < 2:
+        return f"run error or too few requests: {result.error}"
+    first, good = result.requests[0], result.requests[1:]
+    if not first.failed_within(FAILED_WITHIN_S):
+        return (f"request 0: not Failed on both sides within {FAILED_WITHIN_S}s (prefill={first.prefill_status} "
+                f"{first.prefill_seconds}, decode={first.decode_status} {first.decode_seconds})")
+    if "Failed to send kv chunk" not in (first.prefill_failure_reason or ""):
+        return f"request 0: prefill reason {first.prefill_failure_reason!r} is not the engine failure"
+    # The verifier expected its bytes on every page and row it targets: each of those
+    # holds either them or the sentinel (its page 11 was dropped, what else landed
+    # before the failure depends on the engine's batches); anything else is a stray.
+    stray = [m for m in first.mismatches if "found the sentinel" not in m]
+    if stray:
+        return f"request 0: decode written outside its pages: {stray}"
+    for r in good:
+        if not r.ok:
+            return f"request {r.index}: not ok (prefill={r.prefill_status} decode={r.decode_status} bytes={r.bytes_verified})"
+    return None
 
 
 # Exactly what -ext reports for each bad request (core.index_bounds wording).
@@ -123,6 +159,18 @@ def _stock_signature(result, policy) -> Optional[str]:
             return f"request {r.index}: decode failed after {r.decode_seconds}s, not on prefill's status"
     return None
 
+
+# The dropped-write scenario: same stock signature, a different -ext outcome (the
+# engine failure is the request's own; only the blacklisting is the bug).
+DROPPED_WRITE = BuiltinScenario(
+    "dropped write, then 3 good",
+    "F6",
+    "a valid request whose KV write the engine fails, then 3 valid requests (stock: the session is "
+    "blacklisted after that one failure, the valid ones fail 'not alive')",
+    _dropped_write,
+    passed=lambda result: dropped_write_problem(result) is None,
+    signature=_stock_signature,
+)
 
 SCENARIOS = [
     BuiltinScenario(

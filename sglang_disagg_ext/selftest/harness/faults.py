@@ -1,0 +1,101 @@
+"""Engine faults for the soak: prefill's transfer engine fails the writes into chosen decode pages.
+
+A link that drops writes, made at the narrowest boundary: the one engine
+object a prefill manager holds (``mgr.engine``, SGLang's
+``MooncakeTransferEngine``) gets its ``batch_transfer_sync`` / ``transfer_sync``
+wrapped on the instance. A call any of whose destination addresses lies in one
+of the chosen decode KV pages (of any KV buffer of any registered decode)
+moves nothing and returns -1, what the engine returns for a failed transfer;
+every other call goes to the real engine unchanged. So exactly the requests
+that target those pages meet an engine failure, and what the manager does
+next (the room, the peer session, the thread) is SGLang's or the plugin's own
+code. Rig only: the runtime never imports this.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Iterable, List, Tuple
+
+import numpy as np
+
+ENGINE_FAILURE = -1
+
+
+class DroppedWrites:
+    """The wrapper's state: which decode pages it fails, and how often it did."""
+
+    def __init__(self, mgr, kv_pages: Iterable[int]):
+        self.mgr = mgr
+        self.pages = np.asarray(sorted(set(int(p) for p in kv_pages)), dtype=np.int64)
+        # Prefill's page bytes per KV buffer: the soak runs one rank a side with the
+        # same model on both, so a decode KV page has the same size.
+        self.item = int(mgr.kv_args.kv_item_lens[0])
+        self.calls_failed = 0
+        self.calls_passed = 0
+        self._lock = threading.Lock()
+
+    def _regions(self) -> List[Tuple[int, int]]:
+        """(start, end) of every dropped page in every decode KV buffer registered so far."""
+        out = []
+        for info in list((getattr(self.mgr, "decode_kv_args_table", None) or {}).values()):
+            ptrs = getattr(info, "dst_kv_ptrs", None)
+            if ptrs is None:
+                raise RuntimeError(f"decode registration {type(info).__name__} has no dst_kv_ptrs")
+            for base in ptrs:
+                for p in self.pages.tolist():
+                    start = int(base) + p * self.item
+                    out.append((start, start + self.item))
+        return out
+
+    def hits(self, dsts, lens) -> bool:
+        regions = self._regions()
+        if not regions:
+            return False
+        d = np.asarray(list(dsts), dtype=np.int64)
+        n = np.asarray(list(lens), dtype=np.int64)
+        for start, end in regions:
+            if np.any((d < end) & (d + n > start)):
+                return True
+        return False
+
+    def count(self, failed: bool) -> None:
+        with self._lock:
+            if failed:
+                self.calls_failed += 1
+            else:
+                self.calls_passed += 1
+
+    def report(self) -> Dict[str, int]:
+        return {"pages": self.pages.tolist(), "engine_calls_failed": self.calls_failed,
+                "engine_calls_passed": self.calls_passed}
+
+
+def drop_engine_writes(mgr, kv_pages: Iterable[int]) -> DroppedWrites:
+    """Fail every engine call of ``mgr`` that writes into decode KV pages ``kv_pages``."""
+    state = DroppedWrites(mgr, kv_pages)
+    engine = mgr.engine
+    batch = getattr(engine, "batch_transfer_sync", None)
+    single = getattr(engine, "transfer_sync", None)
+    if batch is None and single is None:
+        raise RuntimeError(f"{type(engine).__name__} has neither batch_transfer_sync nor transfer_sync")
+
+    if batch is not None:
+        def batch_transfer_sync(session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs):
+            failed = state.hits(peer_buffer_addresses, lengths)
+            state.count(failed)
+            if failed:
+                return ENGINE_FAILURE
+            return batch(session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+
+        engine.batch_transfer_sync = batch_transfer_sync
+    if single is not None:
+        def transfer_sync(session_id, buffer, peer_buffer_address, length, *args, **kwargs):
+            failed = state.hits([peer_buffer_address], [length])
+            state.count(failed)
+            if failed:
+                return ENGINE_FAILURE
+            return single(session_id, buffer, peer_buffer_address, length, *args, **kwargs)
+
+        engine.transfer_sync = transfer_sync
+    return state

@@ -1,0 +1,224 @@
+"""The soak: many concurrent requests with faults, every request's end checked by the harness.
+
+    sglang-disagg-ext selftest --soak [--requests N --wave C --fault-rate R --bad-rate B --seed S]
+
+One prefill and one decode worker (real managers, real Mooncake over TCP on
+loopback, CPU pools) run ``requests`` requests ``wave`` at a time
+(``Scenario.wave``): random KV page maps and sizes, an SWA state component,
+one aux row each. A share ``fault_rate`` of requests target a decode KV page
+whose writes prefill's engine fails (``harness.faults``: a link that drops
+writes), a share ``bad_rate`` carry a decode KV index outside decode's pool.
+The last wave is clean: after the faults, the same workers must serve it.
+
+What every request ended as is judged here from the workers' records, never by
+the code under test (:func:`judge`): a valid request must end Success on both
+sides with every destination byte right; a faulted one Failed on both sides
+with a reason; every request final within the bound; no write on a page no
+request of its wave targeted; no thread of either worker gone. The same soak
+runs through the stock backend and the ``-ext`` one, and :func:`format_summaries`
+prints both side by side.
+
+Not covered yet (issue 19): NIXL (P=2/D=1, P=1/D=2), a decode worker killed and
+restarted mid-run, mismatched state lengths as a bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Dict, List, Optional
+
+from sglang_disagg_ext.selftest.harness.run import ScenarioResult, run_scenario
+from sglang_disagg_ext.selftest.harness.scenario import (
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    StatePoolSpec,
+    StateSpec,
+    Timeouts,
+)
+
+STATE_KIND = "swa"
+SWA_WINDOW_PAGES = 2
+PREFILL_POOL_FACTOR = 4  # prefill KV pool: this many times decode's request region
+
+
+@dataclasses.dataclass
+class SoakConfig:
+    requests: int = 512
+    wave: int = 64
+    fault_rate: float = 1 / 16  # requests whose decode page's writes the engine drops
+    bad_rate: float = 1 / 32  # requests with a decode KV index outside the pool
+    max_pages: int = 6  # KV pages per request: 1 .. max_pages
+    seed: int = 0
+    request_s: float = 30.0  # bound on each wave, each side
+
+
+def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
+    """The soak's requests, derived from ``cfg`` alone (the same for stock and ext).
+
+    Decode KV pages: slot ``k`` of a wave owns pages ``[k*max_pages, (k+1)*max_pages)``,
+    so the requests of one wave never share a page; after those, one dropped page
+    per slot (``Scenario.dropped_kv_pages``). State: slot ``k`` owns SWA pages
+    ``[k*2, k*2+2)``; aux: slot ``k`` owns decode row ``k``."""
+    if cfg.requests < 1 or cfg.wave < 2:
+        raise ValueError(f"soak needs requests >= 1 and wave >= 2, got {cfg.requests}, {cfg.wave}")
+    if not 0 <= cfg.fault_rate + cfg.bad_rate < 1:
+        raise ValueError(f"fault_rate + bad_rate must be in [0, 1), got {cfg.fault_rate} + {cfg.bad_rate}")
+    rng = random.Random(cfg.seed)
+    region = cfg.wave * cfg.max_pages
+    dropped = list(range(region, region + cfg.wave))
+    prefill_kv_pages = PREFILL_POOL_FACTOR * region
+    # Both sides build the same pool (the harness's KVPoolSpec); decode uses its first
+    # region + wave pages. A bad index lies beyond the whole pool.
+    kv_pool_pages = max(prefill_kv_pages, region + cfg.wave)
+    state_pages = cfg.wave * SWA_WINDOW_PAGES
+    n_waves = -(-cfg.requests // cfg.wave)
+    requests = []
+    for index in range(cfg.requests):
+        slot = index % cfg.wave
+        clean = index // cfg.wave == n_waves - 1 and n_waves > 1  # the last wave: no faults
+        n = rng.randint(1, cfg.max_pages)
+        src = rng.sample(range(prefill_kv_pages), n)
+        own = list(range(slot * cfg.max_pages, (slot + 1) * cfg.max_pages))
+        dst = rng.sample(own, n)
+        window = min(n, SWA_WINDOW_PAGES)
+        st_src = rng.sample(range(state_pages), window)
+        st_dst = rng.sample(range(slot * SWA_WINDOW_PAGES, (slot + 1) * SWA_WINDOW_PAGES), window)
+        u = rng.random()
+        fault = None
+        if not clean and u < cfg.fault_rate:
+            fault = "engine"
+            dst[rng.randrange(n)] = dropped[slot]
+        elif not clean and u < cfg.fault_rate + cfg.bad_rate:
+            fault = "bad_index"
+            dst[rng.randrange(n)] = kv_pool_pages + rng.randrange(0, 64)
+        requests.append(RequestSpec(
+            src_kv_pages=src, dst_kv_pages=dst, aux_index=rng.randrange(cfg.wave), dst_aux_index=slot,
+            state=[StateSpec(STATE_KIND, st_src, st_dst)], allow_out_of_pool=fault == "bad_index", fault=fault,
+        ))
+    return Scenario(
+        name=name,
+        requests=requests,
+        kv=KVPoolSpec(num_pages=kv_pool_pages),
+        state_pools=[StatePoolSpec(kind=STATE_KIND, num_pages=state_pages)],
+        aux_rows=cfg.wave,
+        wave=cfg.wave,
+        dropped_kv_pages=dropped if cfg.fault_rate > 0 else [],
+        timeouts=Timeouts(request_s=cfg.request_s),
+    )
+
+
+OUTCOMES = ("ok", "failed_as_faulted", "collateral_failure", "wrong_bytes", "split", "fault_unreported",
+            "no_reason", "hung")
+VIOLATIONS = OUTCOMES[2:]
+
+
+def outcome(req: RequestSpec, rr) -> str:
+    """What one request ended as (``RequestResult`` ``rr``), judged from both sides' records."""
+    final = ("Success", "Failed")
+    if rr.prefill_status not in final or rr.decode_status not in final:
+        return "hung"
+    if rr.prefill_status != rr.decode_status:
+        return "split"
+    if rr.decode_status == "Success":
+        if req.fault is not None:
+            return "fault_unreported"
+        return "ok" if rr.bytes_verified and not rr.mismatches else "wrong_bytes"
+    if req.fault is None:
+        return "collateral_failure"
+    return "failed_as_faulted" if rr.prefill_failure_reason else "no_reason"
+
+
+def _percentile(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q / 100.0 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
+    """The soak's summary and its verdict (``passed``), from the run's records."""
+    counts = {o: 0 for o in OUTCOMES}
+    faults = {"engine": 0, "bad_index": 0}
+    examples: Dict[str, str] = {}
+    times = []
+    clean_wave = set(scn.waves()[-1]) if len(scn.waves()) > 1 else set()
+    clean_ok = True
+    for req, rr in zip(scn.requests, res.requests):
+        o = outcome(req, rr)
+        counts[o] += 1
+        if req.fault:
+            faults[req.fault] += 1
+        if o in VIOLATIONS and o not in examples:
+            detail = rr.prefill_failure_reason or rr.decode_failure_reason or "; ".join(rr.mismatches[:2]) or ""
+            examples[o] = f"room {rr.room}: prefill {rr.prefill_status}, decode {rr.decode_status}: {detail}"[:400]
+        if rr.index in clean_wave and o != "ok":
+            clean_ok = False
+        ends = [s for s in (rr.prefill_seconds, rr.decode_seconds) if s is not None]
+        if ends:
+            times.append(max(ends))
+    stray = [line for w in res.waves.get("decode", []) for line in w.get("stray_writes", [])]
+    died = {name: names for name, names in res.threads_died.items() if names}
+    violations = sum(counts[o] for o in VIOLATIONS)
+    complete = not res.error and len(res.requests) == len(scn.requests)
+    return {
+        "backend": res.backend,
+        "sglang": res.sglang_version,
+        "manager": res.prefill_manager,
+        "requests": len(scn.requests),
+        "wave": scn.wave,
+        "outcomes": counts,
+        "faults_injected": faults,
+        "engine_calls_failed": (res.dropped_writes or {}).get("engine_calls_failed", 0),
+        "violations": violations,
+        "violation_examples": examples,
+        "stray_writes": stray[:10],
+        "threads_died": died,
+        "clean_wave_ok": clean_ok,
+        "p50_s": _percentile(times, 50),
+        "p99_s": _percentile(times, 99),
+        "max_s": max(times) if times else None,
+        "wall_s": res.wall_seconds,
+        "error": res.error,
+        "passed": complete and violations == 0 and not stray and not died and clean_ok,
+    }
+
+
+def run_soak(backend: str, cfg: SoakConfig, python: Optional[str] = None,
+             timeout_s: Optional[float] = None) -> Dict[str, Any]:
+    scn = make_scenario(cfg, name=f"soak-{backend}")
+    res = run_scenario(scn, backend, timeout_s, python=python)
+    return judge(scn, res)
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+def format_summaries(summaries: List[Dict[str, Any]]) -> str:
+    """The soak's summaries side by side, one column per backend."""
+    rows = [("backend", lambda s: s["backend"]), ("SGLang", lambda s: s["sglang"] or "?"),
+            ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
+            ("faults: engine / bad index",
+             lambda s: f"{s['faults_injected']['engine']} / {s['faults_injected']['bad_index']}")]
+    rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]
+    rows += [("stray writes", lambda s: str(len(s["stray_writes"]))),
+             ("threads died", lambda s: str(sum(len(v) for v in s["threads_died"].values()))),
+             ("clean last wave", lambda s: "all ok" if s["clean_wave_ok"] else "NOT all ok"),
+             ("time to final p50 / p99", lambda s: f"{_fmt(s['p50_s'])} / {_fmt(s['p99_s'])}"),
+             ("wall", lambda s: f"{s['wall_s']:.0f} s"),
+             ("verdict", lambda s: "PASS" if s["passed"] else "FAIL")]
+    width = max(len(r[0]) for r in rows)
+    cols = [[fn(s) for _, fn in rows] for s in summaries]
+    colw = [max(len(c) for c in col) for col in cols]
+    lines = []
+    for i, (label, _) in enumerate(rows):
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{col[i]:<{w}}" for col, w in zip(cols, colw)))
+    for s in summaries:
+        for o, ex in s["violation_examples"].items():
+            lines.append(f"{s['backend']} {o.replace('_', ' ')}: {ex}")
+        if s["error"]:
+            lines.append(f"{s['backend']} error: {s['error'][:300]}")
+    return "\n".join(lines)

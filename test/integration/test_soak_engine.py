@@ -1,0 +1,55 @@
+"""The short soak (``selftest --soak``), real Mooncake over TCP on loopback, CPU pools.
+
+One prefill and one decode worker serve 256 requests, 32 in flight at a time, with random
+page maps and sizes, an SWA state component and one aux row each; the harness judges
+every request from both sides' records and decode's byte check (``selftest.soak.judge``).
+
+Faults, where F6 is live (0.5.23): one request in 16 has one decode KV page whose
+writes prefill's engine fails (``harness.faults``: the engine object's transfer calls
+wrapped on the instance, the narrowest boundary; the engine itself is real), one in 32
+a decode KV index outside the pool (handed to SGLang's real ``send_metadata``). Stock
+blacklists the decode session after the first failure and fails the valid requests after
+it; ``-ext`` fails exactly the faulted ones. Elsewhere F6 is not covered (``-ext`` is
+stock for it), so the soak runs without faults there: load only, every request Success
+with every byte right.
+"""
+
+import pytest
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.selftest import soak
+
+pytestmark = pytest.mark.engine
+
+POLICY = releases.current_policy()
+F6_LIVE = POLICY.is_live("F6")
+
+
+def _cfg(faults: bool) -> soak.SoakConfig:
+    return soak.SoakConfig(requests=256, wave=32, fault_rate=1 / 16 if faults else 0.0,
+                           bad_rate=1 / 32 if faults else 0.0, seed=11)
+
+
+@pytest.mark.skipif(not F6_LIVE, reason=f"F6 is not live on SGLang {POLICY.version}: no faulted soak")
+@pytest.mark.timeout(240)
+def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
+    cfg = _cfg(faults=True)
+    ext = soak.run_soak("mooncake-ext", cfg)
+    assert ext["passed"], soak.format_summaries([ext])
+    assert ext["outcomes"]["failed_as_faulted"] == sum(ext["faults_injected"].values()) > 0
+    assert ext["engine_calls_failed"] >= ext["faults_injected"]["engine"] > 0
+    assert ext["outcomes"]["ok"] == cfg.requests - ext["outcomes"]["failed_as_faulted"]
+
+    stock = soak.run_soak("mooncake", cfg)
+    assert not stock["passed"], soak.format_summaries([stock, ext])
+    assert stock["outcomes"]["collateral_failure"] > 0, soak.format_summaries([stock, ext])
+    assert not stock["clean_wave_ok"]
+    assert "is not alive" in stock["violation_examples"]["collateral_failure"]
+
+
+@pytest.mark.timeout(240)
+def test_load_soak_every_request_right():
+    """No faults: 256 requests, 32 at a time, through -ext on this release."""
+    s = soak.run_soak("mooncake-ext", _cfg(faults=False))
+    assert s["passed"], soak.format_summaries([s])
+    assert s["outcomes"]["ok"] == 256 and s["faults_injected"] == {"engine": 0, "bad_index": 0}

@@ -1,0 +1,186 @@
+"""The soak's pure parts: request generation, the per-request verdict, the wave expectations,
+the dropped-write fault's address test. No SGLang, no engine.
+
+Expected values are worked out by hand from the inputs written here.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sglang_disagg_ext.selftest import soak
+from sglang_disagg_ext.selftest.harness import faults, patterns
+from sglang_disagg_ext.selftest.harness.run import RequestResult, ScenarioResult
+from sglang_disagg_ext.selftest.harness.scenario import (
+    AUX_POOL_ID,
+    KV_POOL_ID,
+    STATE_POOL_BASE,
+    KVPoolSpec,
+    RequestSpec,
+    Scenario,
+    ScenarioError,
+    StatePoolSpec,
+    StateSpec,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_generated_soak_keeps_its_promises():
+    cfg = soak.SoakConfig(requests=200, wave=16, fault_rate=0.2, bad_rate=0.1, max_pages=5, seed=3)
+    scn = soak.make_scenario(cfg)
+    scn.validate()
+    # 16 slots x 5 pages = decode pages 0..79, dropped pages 80..95; prefill 4 x 80 = 320 pages.
+    assert scn.kv.num_pages == 320
+    assert scn.dropped_kv_pages == list(range(80, 96))
+    assert scn.state_pools[0].num_pages == 32 and scn.aux_rows == 16 and scn.wave == 16
+    assert [len(w) for w in scn.waves()] == [16] * 12 + [8]
+    for w, indices in enumerate(scn.waves()):
+        seen = set()
+        for i in indices:
+            req = scn.requests[i]
+            slot = i % 16
+            assert 1 <= len(req.src_kv_pages) <= 5 and len(req.dst_kv_pages) == len(req.src_kv_pages)
+            assert req.decode_aux_index == slot
+            own = set(range(slot * 5, slot * 5 + 5))
+            for d in req.dst_kv_pages:
+                if req.fault == "engine" and d == 80 + slot:
+                    continue
+                if req.fault == "bad_index" and d >= 320:
+                    continue
+                assert d in own, (i, req)
+            if req.fault == "engine":
+                assert 80 + slot in req.dst_kv_pages
+            if req.fault == "bad_index":
+                assert req.allow_out_of_pool and any(320 <= d < 384 for d in req.dst_kv_pages)
+            st = req.state[0]
+            assert len(st.src_pages) == len(st.dst_pages) == min(len(req.src_kv_pages), 2)
+            assert set(st.dst_pages) <= {2 * slot, 2 * slot + 1}
+            assert not (set(req.dst_kv_pages) & seen)  # one wave never shares a decode page
+            seen |= set(req.dst_kv_pages)
+    last = scn.waves()[-1]
+    assert all(scn.requests[i].fault is None for i in last)  # the clean last wave
+    faults_seen = [r.fault for r in scn.requests]
+    assert faults_seen.count("engine") > 0 and faults_seen.count("bad_index") > 0
+    # The same config gives the same requests (stock and ext see one soak).
+    assert soak.make_scenario(cfg).to_json() == scn.to_json()
+
+
+def test_soak_config_is_checked():
+    with pytest.raises(ValueError):
+        soak.make_scenario(soak.SoakConfig(requests=10, wave=1))
+    with pytest.raises(ValueError):
+        soak.make_scenario(soak.SoakConfig(fault_rate=0.6, bad_rate=0.5))
+    scn = soak.make_scenario(soak.SoakConfig(requests=8, wave=8))
+    scn.requests[0].fault = "cosmic ray"
+    with pytest.raises(ScenarioError, match="fault 'cosmic ray'"):
+        scn.validate()
+
+
+def _rr(**kw):
+    base = dict(index=0, room=1000, prefill_status="Success", decode_status="Success", bytes_verified=True)
+    base.update(kw)
+    return RequestResult(**base)
+
+
+@pytest.mark.parametrize(
+    "fault, kw, want",
+    [
+        (None, {}, "ok"),
+        (None, dict(bytes_verified=False, mismatches=["kv buffer 0 page 3: ..."]), "wrong_bytes"),
+        (None, dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="x"),
+         "collateral_failure"),
+        ("engine", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="Failed to send"),
+         "failed_as_faulted"),
+        ("engine", dict(prefill_status="Failed", decode_status="Failed"), "no_reason"),
+        ("bad_index", {}, "fault_unreported"),
+        ("engine", dict(prefill_status="Failed", decode_status="Success"), "split"),
+        (None, dict(decode_status="Transferring"), "hung"),
+        (None, dict(prefill_status=None), "hung"),
+    ],
+)
+def test_outcome(fault, kw, want):
+    req = RequestSpec([1], [2], fault=fault)
+    assert soak.outcome(req, _rr(**kw)) == want
+
+
+def test_judge_counts_and_verdict():
+    scn = Scenario("j", [RequestSpec([1], [k]) for k in range(4)], kv=KVPoolSpec(num_pages=8), aux_rows=2, wave=2)
+    scn.requests[1].fault = "engine"
+    good = ScenarioResult("j", "mooncake-ext", requests=[
+        _rr(index=0), _rr(index=1, prefill_status="Failed", decode_status="Failed", prefill_failure_reason="r",
+                          prefill_seconds=0.5, decode_seconds=0.25),
+        _rr(index=2, prefill_seconds=0.1), _rr(index=3, decode_seconds=0.3)])
+    s = soak.judge(scn, good)
+    assert s["passed"] and s["outcomes"]["ok"] == 3 and s["outcomes"]["failed_as_faulted"] == 1
+    assert s["faults_injected"] == {"engine": 1, "bad_index": 0}
+    # Request times: 0.5 (max of its sides), 0.1, 0.3 -> p50 0.3, max 0.5.
+    assert s["p50_s"] == 0.3 and s["max_s"] == 0.5
+    # The clean last wave (requests 2, 3) with one collateral failure: no pass.
+    bad = ScenarioResult("j", "mooncake", requests=list(good.requests[:3]) + [
+        _rr(index=3, prefill_status="Failed", decode_status="Failed")])
+    s = soak.judge(scn, bad)
+    assert not s["passed"] and not s["clean_wave_ok"] and s["violations"] == 1
+    assert "collateral_failure" in s["violation_examples"]
+    # A stray write or a dead thread fails the run even with every request right.
+    stray = ScenarioResult("j", "x", requests=good.requests, waves={"decode": [{"stray_writes": ["kv page 7"]}]})
+    assert not soak.judge(scn, stray)["passed"]
+    died = ScenarioResult("j", "x", requests=good.requests, threads_died={"prefill": ["Thread-3 (ident 1)"]})
+    assert not soak.judge(scn, died)["passed"]
+    # A run that ended early (fewer records than requests) never passes.
+    short = ScenarioResult("j", "x", requests=good.requests[:2])
+    assert not soak.judge(scn, short)["passed"]
+
+
+def test_wave_expectations_by_hand():
+    # Two requests in a wave; request 0 ended Success, request 1 Failed.
+    scn = Scenario(
+        "w",
+        [RequestSpec([1, 2], [4, 5], aux_index=0, dst_aux_index=0, state=[StateSpec("swa", [0], [2])]),
+         RequestSpec([3], [6], aux_index=1, dst_aux_index=1, state=[StateSpec("swa", [1], [3])])],
+        kv=KVPoolSpec(num_pages=8), state_pools=[StatePoolSpec("swa", num_pages=4)], aux_rows=2, wave=2,
+    )
+    per_room, untargeted = patterns.wave_expectations(scn, {0: "Success", 1: "Failed"})
+    assert set(per_room) == {0}
+    assert per_room[0][KV_POOL_ID].writes == {4: 1, 5: 2}
+    assert per_room[0][AUX_POOL_ID].writes == {0: 0}
+    assert per_room[0][STATE_POOL_BASE].writes == {2: 0}
+    assert all(e.sentinel_pages == [] for e in per_room[0].values())
+    # Untargeted: neither request's pages (the failed one's are not checked at all).
+    assert untargeted[KV_POOL_ID].sentinel_pages == [0, 1, 2, 3, 7]
+    assert untargeted[AUX_POOL_ID].sentinel_pages == []
+    assert untargeted[STATE_POOL_BASE].sentinel_pages == [0, 1]
+
+
+def test_dropped_writes_hit_only_the_chosen_pages():
+    # Two decode KV buffers at 0x10000 and 0x20000, 256-byte pages; pages 3 and 5 dropped.
+    info = SimpleNamespace(dst_kv_ptrs=[0x10000, 0x20000])
+    mgr = SimpleNamespace(kv_args=SimpleNamespace(kv_item_lens=[256]), decode_kv_args_table={"s": info})
+    d = faults.DroppedWrites(mgr, [5, 3])
+    assert d.hits([0x10000 + 3 * 256], [256])  # page 3 of buffer 0
+    assert d.hits([0x20000 + 5 * 256 + 10], [8])  # inside page 5 of buffer 1
+    assert d.hits([0x10000 + 2 * 256], [512])  # pages 2-3 in one descriptor
+    assert not d.hits([0x10000 + 2 * 256], [256])  # page 2 ends where page 3 starts
+    assert not d.hits([0x10000 + 4 * 256, 0x20000 + 6 * 256], [256, 256])
+    assert not faults.DroppedWrites(SimpleNamespace(kv_args=mgr.kv_args, decode_kv_args_table={}), [3]).hits(
+        [0x10000 + 3 * 256], [256])  # no decode registered yet
+
+
+def test_dropped_writes_wrap_the_engine_instance():
+    calls = []
+
+    class Engine:
+        def batch_transfer_sync(self, session_id, buffers, peer_buffer_addresses, lengths):
+            calls.append(list(peer_buffer_addresses))
+            return 0
+
+    info = SimpleNamespace(dst_kv_ptrs=[0x1000])
+    mgr = SimpleNamespace(engine=Engine(), kv_args=SimpleNamespace(kv_item_lens=[64]),
+                          decode_kv_args_table={"s": info})
+    state = faults.drop_engine_writes(mgr, [2])
+    assert mgr.engine.batch_transfer_sync("s", [1], [0x1000 + 2 * 64], [64]) == faults.ENGINE_FAILURE
+    assert mgr.engine.batch_transfer_sync("s", [1], [0x1000], [64]) == 0
+    assert calls == [[0x1000]]  # the dropped call never reached the engine
+    assert state.report() == {"pages": [2], "engine_calls_failed": 1, "engine_calls_passed": 1}
+    assert np.array_equal(state.pages, [2])
