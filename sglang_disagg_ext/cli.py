@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--bad-rate", type=float, default=1 / 32,
                       help="share of soak requests with a decode index outside the pool (default 1/32)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
+    soak.add_argument("--no-restart", action="store_true",
+                      help="keep the decode worker up (default: it is killed in the middle wave and restarted)")
     p.set_defaults(func=_selftest)
 
     for name, (_, text) in DEPLOY_COMMANDS.items():

@@ -330,7 +330,8 @@ def soak_main(args, policy, options) -> int:
         print("selftest: --soak covers Mooncake only (NIXL soak not built yet)", file=sys.stderr)
         return 2
     cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=args.fault_rate,
-                          bad_rate=args.bad_rate, seed=args.seed)
+                          bad_rate=args.bad_rate, seed=args.seed,
+                          restart_decode=not getattr(args, "no_restart", False))
     try:
         soak.make_scenario(cfg).validate()
     except ValueError as exc:
@@ -338,7 +339,8 @@ def soak_main(args, policy, options) -> int:
         return 2
     backends = ["mooncake-ext"] if getattr(args, "ext_only", False) else ["mooncake", "mooncake-ext"]
     print(f"[selftest] soak on SGLang {policy.version}: {cfg.requests} requests, {cfg.wave} at a time, "
-          f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, seed {cfg.seed}", file=sys.stderr)
+          f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, seed {cfg.seed}, decode restarted "
+          f"{'in wave %d' % cfg.restart_wave() if cfg.restart_wave() is not None else 'never'}", file=sys.stderr)
     summaries = []
     for backend in backends:
         summaries.append(soak.run_soak(backend, cfg))

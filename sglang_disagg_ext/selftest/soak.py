@@ -1,6 +1,6 @@
 """The soak: many concurrent requests with faults, every request's end checked by the harness.
 
-    sglang-disagg-ext selftest --soak [--requests N --wave C --fault-rate R --bad-rate B --seed S]
+    sglang-disagg-ext selftest --soak [--requests N --wave C --fault-rate R --bad-rate B --seed S --no-restart]
 
 One prefill and one decode worker (real managers, real Mooncake over TCP on
 loopback, CPU pools) run ``requests`` requests ``wave`` at a time
@@ -18,8 +18,13 @@ request of its wave targeted; no thread of either worker gone. The same soak
 runs through the stock backend and the ``-ext`` one, and :func:`format_summaries`
 prints both side by side.
 
-Not covered yet (issue 19): NIXL (P=2/D=1, P=1/D=2), a decode worker killed and
-restarted mid-run, mismatched state lengths as a bad input.
+In the middle wave the decode worker kills itself (SIGKILL, after sending the
+metadata of half that wave's requests) and the harness starts a new decode
+process (new engine, new session) for the waves after it; prefill must end each
+of the killed wave's requests within the bound, and serve the new decode.
+
+Not covered yet (issue 19): NIXL (P=2/D=1, P=1/D=2), mismatched state lengths
+as a bad input.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import dataclasses
 import random
 from typing import Any, Dict, List, Optional
 
-from sglang_disagg_ext.selftest.harness.run import ScenarioResult, run_scenario
+from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE, ScenarioResult, run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
     RequestSpec,
@@ -52,6 +57,14 @@ class SoakConfig:
     max_pages: int = 6  # KV pages per request: 1 .. max_pages
     seed: int = 0
     request_s: float = 30.0  # bound on each wave, each side
+    # Kill the decode worker in the middle wave (SIGKILL, half its metadata sent) and
+    # start a new one for the waves after it (Scenario.restart_decode_in_wave); needs
+    # at least 3 waves.
+    restart_decode: bool = True
+
+    def restart_wave(self) -> Optional[int]:
+        n_waves = -(-self.requests // self.wave)
+        return n_waves // 2 if self.restart_decode and n_waves >= 3 else None
 
 
 def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
@@ -74,10 +87,14 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
     kv_pool_pages = max(prefill_kv_pages, region + cfg.wave)
     state_pages = cfg.wave * SWA_WINDOW_PAGES
     n_waves = -(-cfg.requests // cfg.wave)
+    # No faults in the last wave (it shows the workers still serve) nor in the one whose
+    # decode is killed (its requests are lost with that decode whatever they carry).
+    clean_waves = {n_waves - 1} if n_waves > 1 else set()
+    clean_waves |= {cfg.restart_wave()} - {None}
     requests = []
     for index in range(cfg.requests):
         slot = index % cfg.wave
-        clean = index // cfg.wave == n_waves - 1 and n_waves > 1  # the last wave: no faults
+        clean = index // cfg.wave in clean_waves
         n = rng.randint(1, cfg.max_pages)
         src = rng.sample(range(prefill_kv_pages), n)
         own = list(range(slot * cfg.max_pages, (slot + 1) * cfg.max_pages))
@@ -105,18 +122,25 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
         aux_rows=cfg.wave,
         wave=cfg.wave,
         dropped_kv_pages=dropped if cfg.fault_rate > 0 else [],
+        restart_decode_in_wave=cfg.restart_wave(),
         timeouts=Timeouts(request_s=cfg.request_s),
     )
 
 
-OUTCOMES = ("ok", "failed_as_faulted", "collateral_failure", "wrong_bytes", "split", "fault_unreported",
-            "no_reason", "hung")
-VIOLATIONS = OUTCOMES[2:]
+OUTCOMES = ("ok", "failed_as_faulted", "lost_with_decode", "collateral_failure", "wrong_bytes", "split",
+            "fault_unreported", "no_reason", "hung")
+VIOLATIONS = OUTCOMES[3:]
 
 
-def outcome(req: RequestSpec, rr) -> str:
-    """What one request ended as (``RequestResult`` ``rr``), judged from both sides' records."""
+def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
+    """What one request ended as (``RequestResult`` ``rr``), judged from both sides' records.
+
+    ``on_killed_decode``: the request was in the wave whose decode process was killed;
+    that decode left no record, so prefill alone must have reached a final state
+    (Success, when its writes had all landed before the kill, or Failed)."""
     final = ("Success", "Failed")
+    if on_killed_decode:
+        return "lost_with_decode" if rr.prefill_status in final else "hung"
     if rr.prefill_status not in final or rr.decode_status not in final:
         return "hung"
     if rr.prefill_status != rr.decode_status:
@@ -145,9 +169,11 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     examples: Dict[str, str] = {}
     times = []
     clean_wave = set(scn.waves()[-1]) if len(scn.waves()) > 1 else set()
+    k = scn.restart_decode_in_wave
+    killed = set(scn.waves()[k]) if k is not None else set()
     clean_ok = True
     for req, rr in zip(scn.requests, res.requests):
-        o = outcome(req, rr)
+        o = outcome(req, rr, rr.index in killed)
         counts[o] += 1
         if req.fault:
             faults[req.fault] += 1
@@ -159,7 +185,7 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         ends = [s for s in (rr.prefill_seconds, rr.decode_seconds) if s is not None]
         if ends:
             times.append(max(ends))
-    stray = [line for w in res.waves.get("decode", []) for line in w.get("stray_writes", [])]
+    stray = [line for waves in res.waves.values() for w in waves for line in w.get("stray_writes", [])]
     died = {name: names for name, names in res.threads_died.items() if names}
     violations = sum(counts[o] for o in VIOLATIONS)
     complete = not res.error and len(res.requests) == len(scn.requests)
@@ -171,6 +197,8 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         "wave": scn.wave,
         "outcomes": counts,
         "faults_injected": faults,
+        "decode_killed_in_wave": k,
+        "decode_restarted": k is not None and bool(res.waves.get(RESTARTED_DECODE)),
         "engine_calls_failed": (res.dropped_writes or {}).get("engine_calls_failed", 0),
         "violations": violations,
         "violation_examples": examples,
@@ -182,7 +210,8 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         "max_s": max(times) if times else None,
         "wall_s": res.wall_seconds,
         "error": res.error,
-        "passed": complete and violations == 0 and not stray and not died and clean_ok,
+        "passed": (complete and violations == 0 and not stray and not died and clean_ok
+                   and (k is None or bool(res.waves.get(RESTARTED_DECODE)))),
     }
 
 
@@ -202,7 +231,9 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
     rows = [("backend", lambda s: s["backend"]), ("SGLang", lambda s: s["sglang"] or "?"),
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
             ("faults: engine / bad index",
-             lambda s: f"{s['faults_injected']['engine']} / {s['faults_injected']['bad_index']}")]
+             lambda s: f"{s['faults_injected']['engine']} / {s['faults_injected']['bad_index']}"),
+            ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else
+             f"wave {s['decode_killed_in_wave']}, " + ("restarted" if s["decode_restarted"] else "NOT restarted"))]
     rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]
     rows += [("stray writes", lambda s: str(len(s["stray_writes"]))),
              ("threads died", lambda s: str(sum(len(v) for v in s["threads_died"].values()))),

@@ -3,6 +3,10 @@
 One prefill and one decode worker serve 256 requests, 32 in flight at a time, with random
 page maps and sizes, an SWA state component and one aux row each; the harness judges
 every request from both sides' records and decode's byte check (``selftest.soak.judge``).
+In wave 4 of 8 the decode worker SIGKILLs itself after half that wave's metadata went out
+and the harness starts a new decode process (new engine, new Mooncake session): prefill
+must end every request of the killed wave (Success or Failed) within the bound and serve
+the new decode's requests.
 
 Faults, where F6 is live (0.5.23): one request in 16 has one decode KV page whose
 writes prefill's engine fails (``harness.faults``: the engine object's transfer calls
@@ -38,7 +42,9 @@ def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
     assert ext["passed"], soak.format_summaries([ext])
     assert ext["outcomes"]["failed_as_faulted"] == sum(ext["faults_injected"].values()) > 0
     assert ext["engine_calls_failed"] >= ext["faults_injected"]["engine"] > 0
-    assert ext["outcomes"]["ok"] == cfg.requests - ext["outcomes"]["failed_as_faulted"]
+    assert ext["decode_restarted"] and ext["outcomes"]["lost_with_decode"] == cfg.wave
+    assert ext["outcomes"]["ok"] == (cfg.requests - ext["outcomes"]["failed_as_faulted"]
+                                     - ext["outcomes"]["lost_with_decode"])
 
     stock = soak.run_soak("mooncake", cfg)
     assert not stock["passed"], soak.format_summaries([stock, ext])
@@ -49,7 +55,12 @@ def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
 
 @pytest.mark.timeout(240)
 def test_load_soak_every_request_right():
-    """No faults: 256 requests, 32 at a time, through -ext on this release."""
+    """No request faults: 256 requests, 32 at a time, through -ext on this release; the
+    decode worker is killed in the middle wave and restarted, and every request of the
+    other waves ends Success with every byte right (the new decode included)."""
     s = soak.run_soak("mooncake-ext", _cfg(faults=False))
     assert s["passed"], soak.format_summaries([s])
-    assert s["outcomes"]["ok"] == 256 and s["faults_injected"] == {"engine": 0, "bad_index": 0}
+    assert s["faults_injected"] == {"engine": 0, "bad_index": 0}
+    # Wave 4 of 8: the decode worker is killed and a new one serves waves 5-7.
+    assert s["decode_killed_in_wave"] == 4 and s["decode_restarted"]
+    assert s["outcomes"]["lost_with_decode"] == 32 and s["outcomes"]["ok"] == 256 - 32

@@ -155,16 +155,21 @@ def test_wave_expectations_by_hand():
 
 def test_dropped_writes_hit_only_the_chosen_pages():
     # Two decode KV buffers at 0x10000 and 0x20000, 256-byte pages; pages 3 and 5 dropped.
+    # A second, older registration "old" (a decode that died) at 0x30000: its pages are
+    # never dropped for a write to session "s", nor "s"'s for a write to "old".
     info = SimpleNamespace(dst_kv_ptrs=[0x10000, 0x20000])
-    mgr = SimpleNamespace(kv_args=SimpleNamespace(kv_item_lens=[256]), decode_kv_args_table={"s": info})
+    old = SimpleNamespace(dst_kv_ptrs=[0x30000])
+    mgr = SimpleNamespace(kv_args=SimpleNamespace(kv_item_lens=[256]), decode_kv_args_table={"s": info, "old": old})
     d = faults.DroppedWrites(mgr, [5, 3])
-    assert d.hits([0x10000 + 3 * 256], [256])  # page 3 of buffer 0
-    assert d.hits([0x20000 + 5 * 256 + 10], [8])  # inside page 5 of buffer 1
-    assert d.hits([0x10000 + 2 * 256], [512])  # pages 2-3 in one descriptor
-    assert not d.hits([0x10000 + 2 * 256], [256])  # page 2 ends where page 3 starts
-    assert not d.hits([0x10000 + 4 * 256, 0x20000 + 6 * 256], [256, 256])
-    assert not faults.DroppedWrites(SimpleNamespace(kv_args=mgr.kv_args, decode_kv_args_table={}), [3]).hits(
-        [0x10000 + 3 * 256], [256])  # no decode registered yet
+    assert d.hits("s", [0x10000 + 3 * 256], [256])  # page 3 of buffer 0
+    assert d.hits("s", [0x20000 + 5 * 256 + 10], [8])  # inside page 5 of buffer 1
+    assert d.hits("s", [0x10000 + 2 * 256], [512])  # pages 2-3 in one descriptor
+    assert not d.hits("s", [0x10000 + 2 * 256], [256])  # page 2 ends where page 3 starts
+    assert not d.hits("s", [0x10000 + 4 * 256, 0x20000 + 6 * 256], [256, 256])
+    assert not d.hits("s", [0x30000 + 3 * 256], [256])  # "old"'s page 3, written via "s"
+    assert d.hits("old", [0x30000 + 3 * 256], [256])
+    assert not d.hits("old", [0x10000 + 3 * 256], [256])
+    assert not d.hits("unknown", [0x10000 + 3 * 256], [256])  # not registered (yet)
 
 
 def test_dropped_writes_wrap_the_engine_instance():
@@ -184,3 +189,75 @@ def test_dropped_writes_wrap_the_engine_instance():
     assert calls == [[0x1000]]  # the dropped call never reached the engine
     assert state.report() == {"pages": [2], "engine_calls_failed": 1, "engine_calls_passed": 1}
     assert np.array_equal(state.pages, [2])
+
+
+def test_restart_wave_is_the_middle_one_and_carries_no_faults():
+    cfg = soak.SoakConfig(requests=200, wave=16, fault_rate=0.3, bad_rate=0.2, seed=5)
+    # 200 / 16 -> 13 waves (12 full + 8): the decode dies in wave 13 // 2 = 6.
+    assert cfg.restart_wave() == 6
+    scn = soak.make_scenario(cfg)
+    assert scn.restart_decode_in_wave == 6
+    assert all(scn.requests[i].fault is None for i in scn.waves()[6])
+    assert any(scn.requests[i].fault for i in scn.waves()[5])  # rate 0.5 over 16: not all clean
+    # Fewer than 3 waves, or switched off: no restart.
+    assert soak.SoakConfig(requests=32, wave=16).restart_wave() is None
+    assert soak.SoakConfig(requests=200, wave=16, restart_decode=False).restart_wave() is None
+
+
+@pytest.mark.parametrize("k", [-1, 2, 3, True, 1.0])
+def test_restart_wave_must_be_followed_by_one(k):
+    # 6 requests, 2 at a time: waves 0, 1, 2; a restart in 0 or 1 leaves a wave after it.
+    scn = Scenario("r", [RequestSpec([1], [j]) for j in range(6)], kv=KVPoolSpec(num_pages=8), aux_rows=2, wave=2,
+                   restart_decode_in_wave=k)
+    with pytest.raises(ScenarioError, match="restart_decode_in_wave"):
+        scn.validate()
+    scn.restart_decode_in_wave = 1
+    scn.validate()
+
+
+def test_role_rank_of_the_restarted_decode():
+    from sglang_disagg_ext.selftest.harness import run
+
+    assert run._role_rank(run.RESTARTED_DECODE) == ("decode", 0)
+    assert run._role_rank("prefill1") == ("prefill", 1) and run._role_rank("decode") == ("decode", 0)
+
+
+@pytest.mark.parametrize(
+    "kw, want",
+    [
+        (dict(prefill_status="Failed", decode_status=None, prefill_failure_reason="session not alive"),
+         "lost_with_decode"),
+        (dict(prefill_status="Success", decode_status=None), "lost_with_decode"),  # written before the kill
+        (dict(prefill_status="Transferring", decode_status=None), "hung"),
+        (dict(prefill_status=None, decode_status=None), "hung"),
+    ],
+)
+def test_outcome_on_the_killed_decode(kw, want):
+    assert soak.outcome(RequestSpec([1], [2]), _rr(**kw), on_killed_decode=True) == want
+
+
+def test_judge_with_a_restarted_decode():
+    from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE
+
+    # 6 requests, waves [0,1] [2,3] [4,5]; decode killed in wave 1.
+    scn = Scenario("k", [RequestSpec([1], [j]) for j in range(6)], kv=KVPoolSpec(num_pages=8), aux_rows=2, wave=2,
+                   restart_decode_in_wave=1)
+    reqs = [_rr(index=0), _rr(index=1),
+            _rr(index=2, prefill_status="Failed", decode_status=None, prefill_failure_reason="not alive"),
+            _rr(index=3, prefill_status="Success", decode_status=None),
+            _rr(index=4), _rr(index=5)]
+    waves = {"decode": [{"wave": 0}], RESTARTED_DECODE: [{"wave": 2}]}
+    s = soak.judge(scn, ScenarioResult("k", "mooncake-ext", requests=reqs, waves=waves))
+    assert s["passed"] and s["decode_killed_in_wave"] == 1 and s["decode_restarted"]
+    assert s["outcomes"]["ok"] == 4 and s["outcomes"]["lost_with_decode"] == 2
+    # No successor ran: no pass, whatever the records say.
+    s = soak.judge(scn, ScenarioResult("k", "mooncake-ext", requests=reqs, waves={"decode": [{"wave": 0}]}))
+    assert not s["passed"] and not s["decode_restarted"]
+    # A stray write seen by the successor counts like one seen by the first decode.
+    waves = {"decode": [{"wave": 0}], RESTARTED_DECODE: [{"wave": 2, "stray_writes": ["kv page 7"]}]}
+    assert not soak.judge(scn, ScenarioResult("k", "x", requests=reqs, waves=waves))["passed"]
+    # A request of a later wave failing on the new decode is a collateral failure.
+    late = reqs[:4] + [_rr(index=4, prefill_status="Failed", decode_status="Failed", prefill_failure_reason="x"),
+                       reqs[5]]
+    s = soak.judge(scn, ScenarioResult("k", "x", requests=late, waves={"decode": [], RESTARTED_DECODE: [{}]}))
+    assert not s["passed"] and s["outcomes"]["collateral_failure"] == 1

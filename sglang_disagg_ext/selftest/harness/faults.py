@@ -4,7 +4,7 @@ A link that drops writes, made at the narrowest boundary: the one engine
 object a prefill manager holds (``mgr.engine``, SGLang's
 ``MooncakeTransferEngine``) gets its ``batch_transfer_sync`` / ``transfer_sync``
 wrapped on the instance. A call any of whose destination addresses lies in one
-of the chosen decode KV pages (of any KV buffer of any registered decode)
+of the chosen decode KV pages (of any KV buffer of the decode the call writes to)
 moves nothing and returns -1, what the engine returns for a failed transfer;
 every other call goes to the real engine unchanged. So exactly the requests
 that target those pages meet an engine failure, and what the manager does
@@ -35,10 +35,15 @@ class DroppedWrites:
         self.calls_passed = 0
         self._lock = threading.Lock()
 
-    def _regions(self) -> List[Tuple[int, int]]:
-        """(start, end) of every dropped page in every decode KV buffer registered so far."""
+    def _regions(self, session_id) -> List[Tuple[int, int]]:
+        """(start, end) of every dropped page in every KV buffer of the decode registered
+        as ``session_id`` (prefill's table is keyed by the Mooncake session). Only that
+        one: a decode that died and restarted leaves its old registration behind, and its
+        addresses may lie anywhere in the new process's pages."""
         out = []
-        for info in list((getattr(self.mgr, "decode_kv_args_table", None) or {}).values()):
+        table = getattr(self.mgr, "decode_kv_args_table", None) or {}
+        info = table.get(session_id)
+        for info in ([info] if info is not None else []):
             ptrs = getattr(info, "dst_kv_ptrs", None)
             if ptrs is None:
                 raise RuntimeError(f"decode registration {type(info).__name__} has no dst_kv_ptrs")
@@ -48,8 +53,8 @@ class DroppedWrites:
                     out.append((start, start + self.item))
         return out
 
-    def hits(self, dsts, lens) -> bool:
-        regions = self._regions()
+    def hits(self, session_id, dsts, lens) -> bool:
+        regions = self._regions(session_id)
         if not regions:
             return False
         d = np.asarray(list(dsts), dtype=np.int64)
@@ -82,7 +87,7 @@ def drop_engine_writes(mgr, kv_pages: Iterable[int]) -> DroppedWrites:
 
     if batch is not None:
         def batch_transfer_sync(session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs):
-            failed = state.hits(peer_buffer_addresses, lengths)
+            failed = state.hits(session_id, peer_buffer_addresses, lengths)
             state.count(failed)
             if failed:
                 return ENGINE_FAILURE
@@ -91,7 +96,7 @@ def drop_engine_writes(mgr, kv_pages: Iterable[int]) -> DroppedWrites:
         engine.batch_transfer_sync = batch_transfer_sync
     if single is not None:
         def transfer_sync(session_id, buffer, peer_buffer_address, length, *args, **kwargs):
-            failed = state.hits([peer_buffer_address], [length])
+            failed = state.hits(session_id, [peer_buffer_address], [length])
             state.count(failed)
             if failed:
                 return ENGINE_FAILURE

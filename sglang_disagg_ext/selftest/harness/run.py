@@ -267,7 +267,8 @@ def default_timeout(scn: Scenario) -> float:
     t = scn.timeouts
     n_children = scn.prefill_tp + scn.decode_tp
     # A wave's requests run side by side: each wave is bounded like one request.
-    return t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2)
+    restart = t.startup_s if scn.restart_decode_in_wave is not None else 0.0
+    return t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2) + restart
 
 
 def rank_names(scn: Scenario) -> List[str]:
@@ -277,9 +278,15 @@ def rank_names(scn: Scenario) -> List[str]:
     return [f"prefill{r}" for r in range(scn.prefill_tp)] + [f"decode{d}" for d in range(scn.decode_tp)]
 
 
+# The decode process the harness starts after the first one killed itself
+# (``Scenario.restart_decode_in_wave``).
+RESTARTED_DECODE = "decode-restarted"
+
+
 def _role_rank(name: str):
-    role = name.rstrip("0123456789")
-    return role, int(name[len(role):] or 0)
+    base = name.split("-", 1)[0]  # "decode-restarted" is a decode, rank 0
+    role = base.rstrip("0123456789")
+    return role, int(base[len(role):] or 0)
 
 
 def run_scenario(
@@ -381,8 +388,16 @@ def run_scenario(
                 # prefill's bootstrap thread before the hook, and the fault never fired
                 # (the stock F8 bootstrap row once passed in CI on 0.5.12.post1).
                 args += ["--ready-files", os.pathsep.join(os.path.join(run_dir, f"{p}.json") for p in prefills)]
+            if role == "decode" and scenario.restart_decode_in_wave is not None:
+                restart_args = args + ["--first-wave", str(scenario.restart_decode_in_wave + 1)]
+                restart_args[restart_args.index("--result") + 1] = os.path.join(run_dir, f"{RESTARTED_DECODE}.json")
+                args = args + ["--crash-in-wave", str(scenario.restart_decode_in_wave)]
             children[name] = spawn(name, exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
 
+        if scenario.restart_decode_in_wave is not None:
+            _restart_decode_when_gone(children, deadline, lambda: spawn(
+                RESTARTED_DECODE, exe, WORKER_MODULE, restart_args, env,
+                os.path.join(run_dir, f"{RESTARTED_DECODE}.log"), run_dir))
         _wait_children(children, run_dir, deadline, scenario)
         if time.monotonic() >= deadline and any(c.poll() is None for c in children.values()):
             result.error = f"harness deadline of {timeout_s:.0f}s passed; children killed"
@@ -406,6 +421,17 @@ def run_scenario(
 
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
+
+
+def _restart_decode_when_gone(children: Dict[str, Any], deadline: float, start) -> None:
+    """Once the decode worker is gone (it kills itself mid-wave), start its successor:
+    same arguments and done file (prefill waits for that), its own result file, from the
+    next wave. Not when a prefill is gone first or the deadline passed."""
+    while children["decode"].poll() is None:
+        if time.monotonic() > deadline or any(c.poll() is not None for n, c in children.items() if n != "decode"):
+            return
+        time.sleep(0.02)
+    children[RESTARTED_DECODE] = start()
 
 
 def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn: Scenario) -> None:
@@ -469,6 +495,19 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     names = rank_names(scn)
     multi = scn.multi_rank
     side = {name: _read_json(os.path.join(run_dir, f"{name}.json")) or {} for name in names}
+    restarted = _read_json(os.path.join(run_dir, f"{RESTARTED_DECODE}.json")) if RESTARTED_DECODE in children else None
+    if RESTARTED_DECODE in children:
+        result.exit_codes[RESTARTED_DECODE] = children[RESTARTED_DECODE].returncode
+        result.pids[RESTARTED_DECODE] = children[RESTARTED_DECODE].pid
+        if not restarted or restarted.get("error"):
+            why = _last_line(restarted["error"]) if restarted else "no result"
+            result.error = "; ".join(([result.error] if result.error else []) + [f"{RESTARTED_DECODE}: {why}"])
+    if restarted:
+        # One decode record per request: the first process's waves, then its successor's.
+        side["decode"] = dict(side["decode"])
+        side["decode"]["requests"] = side["decode"].get("requests", []) + restarted.get("requests", [])
+        result.waves[RESTARTED_DECODE] = restarted.get("waves", [])
+        result.threads_died[RESTARTED_DECODE] = restarted.get("threads_died", [])
     for name, c in children.items():
         result.exit_codes[name] = c.returncode
         result.launch[name] = "forked" if isinstance(c, ForkedChild) else "fresh"
@@ -479,6 +518,8 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
             role = _role_rank(name)[0]
             tails[role].append(f"--- {name} ---\n{children[name].tail(TAIL_PER_RANK)}" if multi else children[name].tail())
     result.prefill_log_tail = "\n".join(tails["prefill"])
+    if RESTARTED_DECODE in children:
+        tails["decode"].append(f"--- {RESTARTED_DECODE} ---\n{children[RESTARTED_DECODE].tail(TAIL_PER_RANK)}")
     result.decode_log_tail = "\n".join(tails["decode"])
     prefills = [n for n in names if n.startswith("prefill")]
     decodes = [n for n in names if n.startswith("decode")]
@@ -494,8 +535,8 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.plugin_metrics = {name: side[name].get("plugin_metrics", "") for name in names}
     result.pool_devices = {name: pool_devices(side[name]) for name in names}
     result.sglang_ranks = {name: side[name].get("sglang_ranks", {}) for name in names}
-    result.waves = {name: side[name]["waves"] for name in names if "waves" in side[name]}
-    result.threads_died = {name: side[name]["threads_died"] for name in names if "threads_died" in side[name]}
+    result.waves.update({name: side[name]["waves"] for name in names if "waves" in side[name]})
+    result.threads_died.update({name: side[name]["threads_died"] for name in names if "threads_died" in side[name]})
     result.dropped_writes = p0.get("dropped_writes")
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")

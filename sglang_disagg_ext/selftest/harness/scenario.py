@@ -186,6 +186,10 @@ class Scenario:
     # Decode KV pages whose writes prefill's transfer engine fails, as a link that
     # drops them would (``harness.faults.drop_engine_writes``); empty: no fault.
     dropped_kv_pages: List[int] = dataclasses.field(default_factory=list)
+    # Wave runs: the decode worker kills itself (SIGKILL) in this wave, after sending
+    # the metadata of half its requests, and the harness starts a new decode process
+    # (a new engine and session, registering afresh) that serves the waves after it.
+    restart_decode_in_wave: Optional[int] = None
 
     @property
     def multi_rank(self) -> bool:
@@ -233,6 +237,11 @@ class Scenario:
         if self.wave > 1 and self.aux_rows < self.wave:
             raise ScenarioError(f"{self.name}: wave {self.wave} needs at least as many aux rows ({self.aux_rows})")
         _check_pages(self, "dropped_kv_pages", self.dropped_kv_pages, self.kv.num_pages)
+        k = self.restart_decode_in_wave
+        if k is not None and (self.wave < 2 or isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k < len(self.waves()) - 1):
+            raise ScenarioError(f"{self.name}: restart_decode_in_wave {k!r} needs wave >= 2 and a wave "
+                                f"in [0, {len(self.waves()) - 1}) (one must follow it)")
         rooms = set()
         for r, req in enumerate(self.requests):
             room = self.room_of(r)

@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -633,6 +634,16 @@ class Worker:
         self._threads_at_start = {t.ident: t.name for t in threading.enumerate()}
         self.result["waves"] = []
         for w, indices in enumerate(self.scn.waves()):
+            if w < self.args.first_wave:
+                continue
+            if w == self.args.first_wave and w > 0 and self.args.ready_files:
+                # A restarted decode starts where prefill is: the harness runs prefill's
+                # waves one after another, and prefill spends the killed wave waiting out
+                # the bootstrap timeout of the rooms whose metadata never came. A real
+                # prefill scheduler serves the new decode meanwhile; here the new decode
+                # waits instead of burning its own waiting timeout on that artefact.
+                _wait_ready(self.args.ready_files.split(os.pathsep),
+                            time.monotonic() + 2 * self.scn.timeouts.request_s, wave=w - 1)
             t0 = _now()
             recs = []
             for index in indices:
@@ -689,9 +700,18 @@ class Worker:
     def _decode_wave(self, indices: List[int], recs: List[Dict[str, Any]], wave: Dict[str, Any]) -> None:
         import numpy as np
 
+        crash_after = len(indices) // 2 if recs and recs[0]["wave"] == self.args.crash_in_wave else None
+        sent = []
+
         def send_metadata(receiver, req) -> None:
+            if crash_after is not None and len(sent) == crash_after:
+                # A decode that dies mid-wave: some rooms have their metadata out (prefill
+                # may be writing them), the rest never will. Nothing is flushed or closed.
+                print(f"[harness decode] SIGKILL self in wave {self.args.crash_in_wave}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             receiver.send_metadata(np.asarray(req.dst_kv_pages, dtype=np.int32), req.decode_aux_index,
                                    self._state_lists(req, "dst_pages"))
+            sent.append(req)
 
         receivers = {}
         for i, rec in zip(indices, recs):
@@ -860,8 +880,9 @@ def _wait_port(host: str, port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
-def _wait_ready(paths: List[str], deadline: float) -> None:
-    """Wait until every result file in ``paths`` shows a constructed manager."""
+def _wait_ready(paths: List[str], deadline: float, wave: Optional[int] = None) -> None:
+    """Wait until every result file in ``paths`` shows a constructed manager (and, with
+    ``wave``, that wave finished)."""
     pending = list(paths)
     while pending:
         for path in list(pending):
@@ -872,7 +893,8 @@ def _wait_ready(paths: List[str], deadline: float) -> None:
                 continue
             if res.get("error"):
                 raise RuntimeError(f"peer {path} failed in setup: {str(res['error']).strip().splitlines()[-1]}")
-            if "manager" in res.get("timings", {}):
+            done = wave is None or any(w.get("wave", -1) >= wave for w in res.get("waves") or [])
+            if "manager" in res.get("timings", {}) and done:
                 pending.remove(path)
         if pending:
             if time.monotonic() > deadline:
@@ -959,6 +981,9 @@ def parse_args(argv=None):
     p.add_argument("--protocol", default="tcp", help="engine protocol: tcp or rdma (harness.transport)")
     p.add_argument("--device", default="cpu", help="pool device: cpu, cuda or cuda:N")
     p.add_argument("--ib-device", default=None, help="RDMA device(s) for --protocol rdma")
+    p.add_argument("--first-wave", type=int, default=0, help="wave runs: start at this wave (a restarted decode)")
+    p.add_argument("--crash-in-wave", type=int, default=None,
+                   help="wave runs, decode: SIGKILL this process in that wave, after half its metadata went out")
     return p.parse_args(argv)
 
 
