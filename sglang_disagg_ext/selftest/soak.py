@@ -23,8 +23,11 @@ metadata of half that wave's requests) and the harness starts a new decode
 process (new engine, new session) for the waves after it; prefill must end each
 of the killed wave's requests within the bound, and serve the new decode.
 
-Not covered yet (issue 19): NIXL (P=2/D=1, P=1/D=2), mismatched state lengths
-as a bad input.
+NIXL runs one rank a side (UCX over TCP), with bad indices and the restart but
+without dropped writes (``harness.faults`` wraps Mooncake's engine only).
+
+Not covered yet (issue 19): NIXL with several ranks a side (P=2/D=1, P=1/D=2),
+dropped NIXL writes, mismatched state lengths as a bad input.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, Dict, List, Optional
 
 from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE, ScenarioResult, run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import (
+    RAISED_INTO_CALLER,
     KVPoolSpec,
     RequestSpec,
     Scenario,
@@ -128,17 +132,21 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
 
 
 OUTCOMES = ("ok", "failed_as_faulted", "lost_with_decode", "collateral_failure", "wrong_bytes", "split",
-            "fault_unreported", "no_reason", "hung")
+            "fault_unreported", "no_reason", "hung", "raised")
 VIOLATIONS = OUTCOMES[3:]
 
 
 def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
     """What one request ended as (``RequestResult`` ``rr``), judged from both sides' records.
 
+    "raised": the worker's ``send`` / ``send_metadata`` for it raised into the caller
+    (``scenario.RAISED_INTO_CALLER``); in a server that is the scheduler loop.
     ``on_killed_decode``: the request was in the wave whose decode process was killed;
     that decode left no record, so prefill alone must have reached a final state
     (Success, when its writes had all landed before the kill, or Failed)."""
     final = ("Success", "Failed")
+    if rr.error and RAISED_INTO_CALLER in rr.error:
+        return "raised"  # into SGLang's caller (a scheduler loop), whatever the statuses say
     if on_killed_decode:
         return "lost_with_decode" if rr.prefill_status in final else "hung"
     if rr.prefill_status not in final or rr.decode_status not in final:
@@ -215,10 +223,28 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     }
 
 
+def soak_env(backend: str) -> Optional[Dict[str, str]]:
+    """Worker environment for ``backend``: NIXL's stock side (and ``nixl-ext`` where its
+    F4 classes, which register host memory themselves, are not installed) gets the
+    rig's host-memory shim (``harness/nixl_shim.py``): on a CPU machine's UCX stock
+    NIXL cannot register its "VRAM" pools at all, and the soak is not about memory kinds."""
+    if not backend.startswith("nixl"):
+        return None
+    from sglang_disagg_ext import releases
+    from sglang_disagg_ext.selftest.harness import nixl_shim
+
+    if backend.endswith("-ext") and releases.current_policy().is_live("F4"):
+        return None
+    return {nixl_shim.ENV: "1"}
+
+
 def run_soak(backend: str, cfg: SoakConfig, python: Optional[str] = None,
              timeout_s: Optional[float] = None) -> Dict[str, Any]:
+    if backend.startswith("nixl") and cfg.fault_rate > 0:
+        raise ValueError("dropped-write faults are built for Mooncake's engine only: "
+                         "a NIXL soak needs fault_rate 0 (bad indices and the restart still apply)")
     scn = make_scenario(cfg, name=f"soak-{backend}")
-    res = run_scenario(scn, backend, timeout_s, python=python)
+    res = run_scenario(scn, backend, timeout_s, python=python, extra_env=soak_env(backend))
     return judge(scn, res)
 
 

@@ -98,6 +98,11 @@ def _rr(**kw):
         ("engine", dict(prefill_status="Failed", decode_status="Success"), "split"),
         (None, dict(decode_status="Transferring"), "hung"),
         (None, dict(prefill_status=None), "hung"),
+        # send raised into the caller (a scheduler loop in a server): a violation even
+        # for a faulted request, whatever the two sides' statuses became.
+        ("bad_index", dict(prefill_status="WaitingForInput", decode_status="Failed",
+                           error="prefill: raised into the caller: nixlNotFoundError: NIXL_ERR_NOT_FOUND"), "raised"),
+        (None, dict(error="prefill: Traceback ... TimeoutError"), "ok"),  # other errors: judged by status and bytes
     ],
 )
 def test_outcome(fault, kw, want):
@@ -261,3 +266,19 @@ def test_judge_with_a_restarted_decode():
                        reqs[5]]
     s = soak.judge(scn, ScenarioResult("k", "x", requests=late, waves={"decode": [], RESTARTED_DECODE: [{}]}))
     assert not s["passed"] and s["outcomes"]["collateral_failure"] == 1
+
+
+def test_soak_main_refuses_what_it_cannot_run(capsys):
+    from types import SimpleNamespace as NS
+
+    from sglang_disagg_ext.selftest import runner
+
+    opts = NS(protocol="tcp", device_type="cpu")
+    base = dict(requests=8, wave=4, fault_rate=0.0, bad_rate=0.0, seed=0, json=False)
+    policy = NS(version="x")
+    assert runner.soak_main(NS(backend=["mori"], **base), policy, opts) == 2
+    assert runner.soak_main(NS(backend=["mooncake", "nixl"], **base), policy, opts) == 2
+    assert runner.soak_main(NS(backend=None, **base), policy, NS(protocol="rdma", device_type="cpu")) == 2
+    assert runner.soak_main(NS(backend=None, **dict(base, wave=1)), policy, opts) == 2
+    err = capsys.readouterr().err
+    assert "one backend" in err and "TCP with CPU pools" in err and "wave >= 2" in err

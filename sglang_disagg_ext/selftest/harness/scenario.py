@@ -34,6 +34,12 @@ KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
 # engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool.
 REQUEST_FAULTS = ("engine", "bad_index")
 
+# A wave run's request record error starting with this: the SGLang call the worker
+# makes for the request (``send`` / ``send_metadata``) raised into its caller. In a
+# server that caller is the scheduler's event loop, so the soak counts it as a
+# violation ("raised"), not as the request failing.
+RAISED_INTO_CALLER = "raised into the caller: "
+
 
 class ScenarioError(ValueError):
     """A scenario that cannot be run as written."""

@@ -732,7 +732,16 @@ class Worker:
                 rec["status"] = states[i]
                 continue
             started[i] = time.monotonic()
-            start(objs[i], self.scn.requests[i])
+            try:
+                start(objs[i], self.scn.requests[i])
+            except Exception as exc:
+                # One request's call raising must not take its wave's records along:
+                # record it on that request (where its object was left), go on.
+                from sglang_disagg_ext.selftest.harness.scenario import RAISED_INTO_CALLER
+
+                del started[i]
+                rec["error"] = f"{RAISED_INTO_CALLER}{type(exc).__name__}: {exc}"[:2000]
+                rec["status"] = self.ss.poll_name(objs[i].poll())
         ends = self._poll_all_timed({i: objs[i] for i in started}, deadline)
         for i, rec in zip(indices, recs):
             if i in started:
