@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message, bounds_of, encode_frame
+from sglang_disagg_ext.backends.shared import note_peer_bounds
+from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, encode_frame
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.peers")
 
@@ -102,22 +103,9 @@ class PeerPoolsMixin:
             session = bytes(msg[3]).decode("ascii")
         except UnicodeDecodeError:
             return  # stock's own parse of this message reports it
-        try:
-            bounds = bounds_in_message(msg)
-        except IndexBoundsError as exc:
-            logger.error("decode session %s sent a malformed pool-sizes frame (%s); its requests are not checked",
-                         session, exc)
-            bounds = None
-        if bounds is not None:
-            self._peer_bounds[session] = bounds
-            self._unchecked_peers.discard(session)
-            return
-        self._peer_bounds.pop(session, None)
-        if session not in self._unchecked_peers:
-            self._unchecked_peers.add(session)
-            logger.info(
-                "decode session %s published no pool sizes (a stock decode): destination index checks are off "
-                "for it (a request with an out-of-pool index fails its whole session, as in stock SGLang), and "
-                "its metadata buffers are checked by count only",
-                session,
-            )
+        note_peer_bounds(
+            self._peer_bounds, self._unchecked_peers, session, msg, logger, "decode session",
+            "decode session %s published no pool sizes (a stock decode): destination index checks are off "
+            "for it (a request with an out-of-pool index fails its whole session, as in stock SGLang), and "
+            "its metadata buffers are checked by count only",
+        )

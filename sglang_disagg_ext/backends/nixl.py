@@ -31,6 +31,25 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   prefill and sends ``<room>_fail_...`` to its decode ranks, which an ext
   decode turns into Failed at once (stock decode ignores the tag and times
   out). On <= 0.5.11 stock raises such errors into the scheduler instead.
+* **Destination bounds** (found by the soak, issue 19): nothing in stock
+  compares a decode index with decode's pool, and NIXL checks a remote
+  descriptor only against the peer's *registered regions*, so an index past
+  one KV buffer lands in the next registered buffer and both sides report
+  Success (measured on 0.5.10.post1: valid requests' pages overwritten). The
+  ``-ext`` decode appends its pool sizes to its registration message as one
+  trailing frame (``core.index_bounds``; stock prefill parses fixed positions
+  and never reads it); the ``-ext`` prefill notes the frame as the
+  registration arrives and fails a room whose KV or aux index lies outside
+  before any descriptor is built, naming the index and the pool size. A stock
+  decode publishes nothing: its rooms run unchecked, as stock, named once.
+  State indices are not checked here (these releases register state as one
+  flat buffer list; no per-component bound).
+* **Bootstrap deadline** (also found by the soak): stock's NIXL sender has none
+  on these releases, so a room whose decode died before sending its metadata
+  stays Bootstrapping, its KV pinned, for ever. The ``-ext`` sender fails it
+  after SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, counted from the
+  sender's first poll (Mooncake's counts from construction, one scheduler pass
+  earlier).
 
 Release differences the adapter meets (state-pointer layout, the method and
 field that build notification tags, the sender's failure path) are handled
@@ -45,11 +64,12 @@ import ctypes
 import functools
 import logging
 import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver, NixlKVSender
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import activation_log
@@ -61,6 +81,8 @@ from sglang_disagg_ext.core.head_slice import (
     head_bytes_from_item_len,
     resolve_total_kv_heads,
 )
+from sglang_disagg_ext.backends.shared import note_peer_bounds
+from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, check_destination, encode_frame
 from sglang_disagg_ext.core.nixl_notif import failure_tag, parse_failure_tag, with_sender_id
 from sglang_disagg_ext.releases import ReleasePolicy
 
@@ -298,6 +320,10 @@ class NixlExtKVManager(NixlKVManager):
         self._ext_notified_rooms: set = set()
         self._ext_layouts: Dict[tuple, HeadLayout] = {}
         self._ext_total_kv_heads: Optional[int] = None
+        # decode agent name -> PoolBounds it published; written by the bootstrap
+        # thread, read by the scheduler thread (single dict operations).
+        self._ext_peer_bounds: Dict[str, object] = {}
+        self._ext_unchecked_peers: set = set()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         activation_log.announce(type(self).__name__)
 
@@ -403,6 +429,40 @@ class NixlExtKVManager(NixlKVManager):
         except Exception as exc:  # noqa: BLE001 - keep the bootstrap thread alive; fail the peer's rooms
             self._ext_peer_errors[name] = f"decode {name} (TP rank {decode_kv_args.decode_tp_rank}) cannot be served: {exc}"
             logger.error("nixl-ext: %s", self._ext_peer_errors[name])
+
+    def _start_bootstrap_thread(self):
+        """Stock's bootstrap thread, reading through a socket that notes pool bounds.
+
+        Contract: prefill only; the stock constructor calls it once, after
+        ``CommonKVManager.__init__`` made ``server_socket`` and before any
+        decode can register. The thread it starts reads ``self.server_socket``
+        on every message, so the proxy sees every message first, and passes it
+        on unchanged; it must never raise into that thread.
+        """
+        self.server_socket = _RegistrationNotingSocket(self.server_socket, self._ext_note_registration)
+        super()._start_bootstrap_thread()
+
+    def _ext_note_registration(self, msg) -> None:
+        """Bootstrap thread: a decode registration's pool-bounds frame (or its absence)."""
+        if len(msg) < 5 or bytes(msg[1]) != REGISTRATION_ROOM:
+            return
+        try:
+            name = bytes(msg[4]).decode("ascii")
+        except UnicodeDecodeError:
+            return  # stock's own parse of this message reports it
+        note_peer_bounds(self._ext_peer_bounds, self._ext_unchecked_peers, name, msg, logger, "nixl-ext: decode",
+                         "nixl-ext: decode %s published no pool sizes (a stock decode): its destination indices "
+                         "are not checked, as in stock SGLang")
+
+    def _ext_destination_error(self, req) -> Optional[str]:
+        """Why decode ``req.agent_name`` cannot take this room's indices, or None."""
+        bounds = self._ext_peer_bounds.get(req.agent_name)
+        if bounds is None:
+            return None
+        kv = getattr(req, "dst_kv_indices", None)
+        aux = getattr(req, "dst_aux_index", None)
+        why = check_destination(bounds, kv, aux if isinstance(aux, (int, np.integer)) else None, None)
+        return None if why is None else f"decode {req.agent_name}: {why}"
 
     def _ext_inspect_peer(self, info) -> None:
         kinds: Dict[int, str] = {}
@@ -604,7 +664,7 @@ class NixlExtKVManager(NixlKVManager):
             return []
         peers = list(self.transfer_infos.get(bootstrap_room, {}).values())
         for req in peers:
-            error = self._ext_peer_errors.get(req.agent_name)
+            error = self._ext_peer_errors.get(req.agent_name) or self._ext_destination_error(req)
             if error is not None:
                 self.record_failure(bootstrap_room, error)
                 if is_last:
@@ -671,11 +731,108 @@ class NixlExtKVManager(NixlKVManager):
         return self._ext_failed_rooms.get(room)
 
 
+# --- registration frames --------------------------------------------------------------------
+
+# Room field of a decode registration message (after the GUARD frame).
+REGISTRATION_ROOM = b"None"
+
+
+class _RegistrationNotingSocket:
+    """Prefill's server socket, handing every received message to ``note`` first."""
+
+    def __init__(self, sock, note):
+        self._sock = sock
+        self._note = note
+
+    def recv_multipart(self, *args, **kwargs):
+        msg = self._sock.recv_multipart(*args, **kwargs)
+        try:
+            self._note(msg)
+        except Exception:  # noqa: BLE001 - never end the bootstrap thread
+            logger.exception("nixl-ext: could not read a decode registration's pool sizes")
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class _BoundsAppendingSocket:
+    """A decode socket that appends ``frame`` to registration messages only."""
+
+    def __init__(self, sock, frame: bytes):
+        self._sock = sock
+        self._frame = frame
+
+    def send_multipart(self, frames, *args, **kwargs):
+        frames = list(frames)
+        if len(frames) > 1 and bytes(frames[1]) == REGISTRATION_ROOM:
+            frames.append(self._frame)
+        return self._sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def pool_bounds_frame(kv_args) -> Optional[bytes]:
+    """Decode's KV and aux pool sizes as a trailing registration frame; None if they cannot be read."""
+    try:
+        bounds = bounds_of(kv_args.kv_data_lens, kv_args.kv_item_lens,
+                           kv_args.aux_data_lens, kv_args.aux_item_lens, [], [])
+    except (IndexBoundsError, AttributeError, TypeError) as exc:
+        logger.error("nixl-ext: not publishing pool sizes to prefill: %s", exc)
+        return None
+    return encode_frame(bounds)
+
+
+class NixlExtKVReceiver(NixlKVReceiver):
+    """Stock receiver; its registration message carries decode's pool sizes too."""
+
+    def _register_kv_args(self):
+        """Stock registration, with one trailing pool-bounds frame.
+
+        Contract: decode only, on the scheduler thread: ``CommonKVReceiver``
+        calls it when a receiver first meets a prefill bootstrap address and
+        stock sends one message per prefill rank through the cached socket
+        (``_connect_to_bootstrap_server``). Stock's frames go out unchanged and
+        in order (a stock prefill parses them by position and never reads past
+        its own fields); the socket is wrapped for this call only.
+        """
+        frame = pool_bounds_frame(self.kv_mgr.kv_args)
+        if frame is None:
+            return super()._register_kv_args()
+        connect = self._connect_to_bootstrap_server
+
+        def connect_appending(bootstrap_info):
+            sock, lock = connect(bootstrap_info)
+            return _BoundsAppendingSocket(sock, frame), lock
+
+        self._connect_to_bootstrap_server = connect_appending
+        try:
+            return super()._register_kv_args()
+        finally:
+            del self._connect_to_bootstrap_server
+
+
 # --- sender -------------------------------------------------------------------------------
 
 
 class NixlExtKVSender(NixlKVSender):
-    """Stock sender; a room the manager failed polls as Failed, a NIXL error too."""
+    """Stock sender; a room the manager failed polls as Failed, a NIXL error too, and a
+    room still Bootstrapping after SGLang's bootstrap timeout too."""
+
+    def _ext_bootstrap_expired(self, mgr) -> Optional[float]:
+        """Seconds waited, once a room still Bootstrapping has waited SGLang's bootstrap
+        timeout. Stock NIXL (0.5.10.post1-0.5.12.x) has no such deadline: a room whose decode
+        died before sending its metadata stays Bootstrapping, its KV pinned, for ever."""
+        timeout = getattr(mgr, "bootstrap_timeout", None)
+        if timeout is None:
+            return None
+        # The clock starts at the first poll: the scheduler polls a sender on its next
+        # pass after creating it (``pop_bootstrapped``). Not in ``__init__``: its
+        # signature differs by release and callers inspect it.
+        created = self.__dict__.setdefault("_ext_first_poll", time.time())
+        elapsed = time.time() - created
+        return elapsed if elapsed >= timeout else None
 
     def poll(self) -> KVPoll:
         """Contract: prefill scheduler thread, every pass of ``pop_bootstrapped``,
@@ -684,18 +841,30 @@ class NixlExtKVSender(NixlKVSender):
         attention TP/CP group, so each rank must return promptly and never raise
         (stock raises on an ERR handle up to 0.5.11), or the collective breaks.
         Never Success before the bytes landed: every handle DONE up to 0.5.11,
-        the worker's Success on 0.5.12.x.
+        the worker's Success on 0.5.12.x. A room still Bootstrapping after the
+        manager's ``bootstrap_timeout`` (SGLang's setting) ends Failed, with the
+        seconds in the reason, as Mooncake's sender does on these releases.
         """
         mgr = self.kv_mgr
         if isinstance(mgr, NixlExtKVManager) and mgr._ext_room_failure(self.bootstrap_room) is not None:
             return KVPoll.Failed
         try:
-            return super().poll()
+            status = super().poll()
         except Exception as exc:  # noqa: BLE001 - stock raises on an ERR transfer
             if not isinstance(mgr, NixlExtKVManager):
                 raise
             mgr.record_failure(self.bootstrap_room, f"NIXL transfer error: {exc}")
             return KVPoll.Failed
+        if status == KVPoll.Bootstrapping and isinstance(mgr, NixlExtKVManager):
+            elapsed = self._ext_bootstrap_expired(mgr)
+            if elapsed is not None:
+                mgr.record_failure(
+                    self.bootstrap_room,
+                    f"Request {self.bootstrap_room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping: "
+                    "decode never sent this room's metadata (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                )
+                return KVPoll.Failed
+        return status
 
     def failure_exception(self):
         """Contract: prefill scheduler thread, only after the all-reduced poll read
@@ -727,4 +896,4 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         from sglang_disagg_ext.backends.nixl_newest import NixlNewestKVManager
 
         return {"NixlKVManager": NixlNewestKVManager}
-    return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender}
+    return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}

@@ -7,6 +7,9 @@
 * :func:`probe_prefill_version`: an ``-ext`` decode asks the prefill's
   bootstrap server (an extra HTTP route the ``-ext`` prefill adds) which
   version of a plugin wire it speaks (MoRI F3 state wire, F12 metadata order).
+* :func:`note_peer_bounds`: prefill notes the pool sizes a decode registration
+  published in its trailing frame (Mooncake F6/F9, NIXL destination bounds), or
+  that a stock decode published none (said once per peer).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 from typing import Optional, Tuple
 
 from sglang_disagg_ext import metrics
+from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 _TRIMS_LOGGED = EveryInterval(60.0)
@@ -59,3 +63,23 @@ def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: 
         return True, response.json().get(key)
     except Exception:  # noqa: BLE001 - an answer that is not JSON: no version
         return True, None
+
+
+def note_peer_bounds(table: dict, unchecked: set, peer: str, msg, logger: logging.Logger, what: str,
+                     unchecked_line: str) -> None:
+    """Record in ``table[peer]`` the bounds registration ``msg`` carries; none (a stock
+    decode) or a malformed frame: drop ``peer`` from ``table`` and, the first time, log
+    ``unchecked_line`` (``%s`` = the peer). ``what`` names the peer in the error line."""
+    try:
+        bounds = bounds_in_message(msg)
+    except IndexBoundsError as exc:
+        logger.error("%s %s sent a malformed pool-sizes frame (%s); its requests are not checked", what, peer, exc)
+        bounds = None
+    if bounds is not None:
+        table[peer] = bounds
+        unchecked.discard(peer)
+        return
+    table.pop(peer, None)
+    if peer not in unchecked:
+        unchecked.add(peer)
+        logger.info(unchecked_line, peer)

@@ -5,6 +5,9 @@
   on tags where both ranks carry the same sender field (stock <= 0.5.11).
 * The decode-side agent wrapper turns a prefill's failure tag into Failed.
 * Impossible head layouts are refused with the numbers in the message.
+* Destination bounds: the decode's registration gains one trailing pool-sizes frame
+  (and nothing else), prefill notes it from the raw message, and a room whose KV or aux
+  index lies outside is named with the index and the pool size.
 """
 
 from collections import defaultdict
@@ -151,5 +154,98 @@ def test_ext_classes_by_support():
     from sglang_disagg_ext import releases
 
     active = releases.policy_for("0.5.11")
-    assert set(nixl_ext.ext_classes(active)) == {"NixlKVManager", "NixlKVSender"}
+    assert set(nixl_ext.ext_classes(active)) == {"NixlKVManager", "NixlKVSender", "NixlKVReceiver"}
     assert nixl_ext.ext_classes(releases.policy_for("0.5.20")) == {}
+
+
+class RecordingSocket:
+    def __init__(self, incoming=()):
+        self.sent = []
+        self.incoming = list(incoming)
+        self.closed = False
+
+    def send_multipart(self, frames):
+        self.sent.append(list(frames))
+
+    def recv_multipart(self):
+        return self.incoming.pop(0)
+
+    def close(self):
+        self.closed = True
+
+
+# A decode registration as 0.5.10.post1-0.5.12.x send it (GUARD, room "None", ip, port,
+# agent name, metadata, ...); only the positions the plugin reads matter here.
+REGISTRATION = [b"GUARD", b"None", b"127.0.0.1", b"17000", b"decode-agent", b"meta", b"kvptrs"]
+
+
+def test_pool_bounds_frame_from_decode_kv_args():
+    from sglang_disagg_ext.core.index_bounds import decode_frame
+
+    # 2 KV buffers of 4096 bytes with 512-byte pages -> 8 pages; one of 3584 -> 7 bound them all.
+    # Aux: 2 buffers, 64 bytes / 8-byte rows = 8 rows and 96 / 16 = 6 rows -> 6.
+    kv_args = SimpleNamespace(kv_data_lens=[4096, 3584], kv_item_lens=[512, 512],
+                              aux_data_lens=[64, 96], aux_item_lens=[8, 16])
+    b = decode_frame(nixl_ext.pool_bounds_frame(kv_args))
+    assert (b.kv, b.aux, b.state, b.aux_item_lens) == (7, 6, (), (8, 16))
+    assert nixl_ext.pool_bounds_frame(SimpleNamespace(kv_data_lens=[1], kv_item_lens=[0],
+                                                      aux_data_lens=[], aux_item_lens=[])) is None
+
+
+def test_appending_socket_touches_registrations_only():
+    raw = RecordingSocket()
+    sock = nixl_ext._BoundsAppendingSocket(raw, b"FRAME")
+    sock.send_multipart(REGISTRATION)
+    sock.send_multipart([b"GUARD", b"4242", b"127.0.0.1"])  # a room's metadata: unchanged
+    sock.close()  # anything else reaches the real socket
+    assert raw.sent == [REGISTRATION + [b"FRAME"], [b"GUARD", b"4242", b"127.0.0.1"]]
+    assert raw.closed
+
+
+def test_noting_socket_passes_messages_and_survives_its_note():
+    seen = []
+
+    def note(msg):
+        seen.append(msg)
+        raise RuntimeError("a bug in the note")
+
+    raw = RecordingSocket(incoming=[REGISTRATION])
+    assert nixl_ext._RegistrationNotingSocket(raw, note).recv_multipart() == REGISTRATION
+    assert seen == [REGISTRATION]
+
+
+def _bounds_mgr():
+    mgr = object.__new__(nixl_ext.NixlExtKVManager)
+    mgr._ext_peer_bounds = {}
+    mgr._ext_unchecked_peers = set()
+    return mgr
+
+
+def test_prefill_notes_bounds_and_names_bad_indices():
+    import numpy as np
+
+    from sglang_disagg_ext.core.index_bounds import PoolBounds, encode_frame
+
+    mgr = _bounds_mgr()
+    mgr._ext_note_registration(REGISTRATION + [encode_frame(PoolBounds(kv=8, aux=4))])
+    assert mgr._ext_peer_bounds["decode-agent"].kv == 8
+
+    def req(kv, aux):
+        return SimpleNamespace(agent_name="decode-agent", dst_kv_indices=np.asarray(kv, dtype=np.int32),
+                               dst_aux_index=aux)
+
+    assert mgr._ext_destination_error(req([0, 7, 3], 3)) is None
+    assert mgr._ext_destination_error(req([2, 8], 0)) == (
+        "decode decode-agent: kv: destination index 8 (position 1 of 2) outside decode's pool of 8 pages "
+        "(valid 0..7)")
+    assert mgr._ext_destination_error(req([1], 4)) == (
+        "decode decode-agent: aux: destination index 4 outside decode's pool of 4 rows (valid 0..3)")
+    # A stock decode (no frame) re-registering: unchecked from then on, and said once.
+    mgr._ext_note_registration(REGISTRATION)
+    mgr._ext_note_registration(REGISTRATION)
+    assert "decode-agent" not in mgr._ext_peer_bounds and mgr._ext_unchecked_peers == {"decode-agent"}
+    assert mgr._ext_destination_error(req([99], 99)) is None
+    # Not a registration (a room's metadata), or a malformed frame: nothing noted.
+    mgr._ext_note_registration([b"GUARD", b"4242", b"x", b"y", b"decode-b"])
+    mgr._ext_note_registration(REGISTRATION[:4] + [b"decode-c", b"m", b"sglang-disagg-ext:pool-bounds:v1:{bad"])
+    assert set(mgr._ext_peer_bounds) == set()
