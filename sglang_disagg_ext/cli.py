@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
     soak.add_argument("--no-restart", action="store_true",
                       help="keep the decode worker up (default: it is killed in the middle wave and restarted)")
+    soak.add_argument("--prefill-tp", type=int, default=1,
+                      help="soak prefill ranks, one process each (NIXL: 2 with --decode-tp 1; default 1)")
+    soak.add_argument("--decode-tp", type=int, default=1,
+                      help="soak decode ranks, one process each (NIXL: 2 with --prefill-tp 1; default 1)")
     p.set_defaults(func=_selftest)
 
     for name, (_, text) in DEPLOY_COMMANDS.items():

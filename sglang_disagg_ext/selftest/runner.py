@@ -319,7 +319,7 @@ def default_backends() -> List[str]:
 
 
 def soak_main(args, policy, options) -> int:
-    """``selftest --soak``: the soak through stock and -ext (Mooncake, or NIXL one rank a side), side by side; exit 0
+    """``selftest --soak``: the soak through stock and -ext (Mooncake; NIXL one or more ranks a side), side by side; exit 0
     when the -ext run kept every invariant (``selftest.soak.judge``)."""
     from sglang_disagg_ext.selftest import soak
 
@@ -336,9 +336,21 @@ def soak_main(args, policy, options) -> int:
         # Dropped writes wrap Mooncake's engine object only (harness/faults.py).
         print("[selftest] soak: NIXL runs without dropped writes (Mooncake only); fault rate 0", file=sys.stderr)
         fault_rate = 0.0
+    tp = (getattr(args, "prefill_tp", 1), getattr(args, "decode_tp", 1))
+    state = True
+    if tp != (1, 1):
+        if family != "nixl":
+            print("selftest: --soak with several ranks a side runs NIXL only (--backend nixl)", file=sys.stderr)
+            return 2
+        print("[selftest] soak: several ranks a side: no decode restart (one decode process only)", file=sys.stderr)
+        if not soak.carries_state(family, *tp):
+            print(f"[selftest] soak: SGLang {policy.version} does not send SWA state across TP sizes "
+                  f"{tp[0]} -> {tp[1]}; KV and aux only", file=sys.stderr)
+            state = False
     cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=fault_rate,
                           bad_rate=args.bad_rate, seed=args.seed,
-                          restart_decode=not getattr(args, "no_restart", False))
+                          restart_decode=not getattr(args, "no_restart", False) and tp == (1, 1),
+                          prefill_tp=tp[0], decode_tp=tp[1], state=state)
     try:
         soak.make_scenario(cfg).validate()
     except ValueError as exc:
@@ -347,7 +359,9 @@ def soak_main(args, policy, options) -> int:
     backends = [f"{family}-ext"] if getattr(args, "ext_only", False) else [family, f"{family}-ext"]
     print(f"[selftest] soak on SGLang {policy.version}: {cfg.requests} requests, {cfg.wave} at a time, "
           f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, seed {cfg.seed}, decode restarted "
-          f"{'in wave %d' % cfg.restart_wave() if cfg.restart_wave() is not None else 'never'}", file=sys.stderr)
+          f"{'in wave %d' % cfg.restart_wave() if cfg.restart_wave() is not None else 'never'}, "
+          f"prefill TP {cfg.prefill_tp} -> decode TP {cfg.decode_tp}, "
+          f"{'SWA state, ' if cfg.state else ''}KV and aux", file=sys.stderr)
     summaries = []
     for backend in backends:
         summaries.append(soak.run_soak(backend, cfg))

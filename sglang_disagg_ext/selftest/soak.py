@@ -23,11 +23,17 @@ metadata of half that wave's requests) and the harness starts a new decode
 process (new engine, new session) for the waves after it; prefill must end each
 of the killed wave's requests within the bound, and serve the new decode.
 
-NIXL runs one rank a side (UCX over TCP), with bad indices and the restart but
-without dropped writes (``harness.faults`` wraps Mooncake's engine only).
+NIXL (UCX over TCP) runs with bad indices but without dropped writes
+(``harness.faults`` wraps Mooncake's engine only): one rank a side with the
+restart, or several ranks a side (``prefill_tp``/``decode_tp``, e.g. P=2/D=1 and
+P=1/D=2: one process per rank, each rank's pools holding its share of
+``KV_HEADS_MULTI_RANK`` heads, every decode rank checking every element of its
+heads) without it, since the restart replaces the one decode process of a 1x1 run.
+Up to 0.5.12.x SGLang does not send SWA state across different TP sizes (stock
+and ``nixl-ext``: issue 15), so the CLI runs those with KV and aux only.
 
-Not covered yet (issue 19): NIXL with several ranks a side (P=2/D=1, P=1/D=2),
-dropped NIXL writes, mismatched state lengths as a bad input.
+Not covered yet (issue 19): dropped NIXL writes, mismatched state lengths as a
+bad input (0.5.23 truncates SWA/DSA state lists on purpose, mooncake/conn.py).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from sglang_disagg_ext.selftest.harness.scenario import (
 STATE_KIND = "swa"
 SWA_WINDOW_PAGES = 2
 PREFILL_POOL_FACTOR = 4  # prefill KV pool: this many times decode's request region
+# Multi-rank soaks: KV (and SWA) heads of the model, so TP 2 holds one head a rank.
+KV_HEADS_MULTI_RANK = 2
 
 
 @dataclasses.dataclass
@@ -65,10 +73,20 @@ class SoakConfig:
     # start a new one for the waves after it (Scenario.restart_decode_in_wave); needs
     # at least 3 waves.
     restart_decode: bool = True
+    # Attention TP sizes, one worker process per rank (P=2/D=1, P=1/D=2: heterogeneous
+    # TP, each rank holding its share of KV_HEADS_MULTI_RANK heads). Several ranks a
+    # side: no dropped writes and no restart (both model one process a side).
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    state: bool = True  # each request carries an SWA state component
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.prefill_tp > 1 or self.decode_tp > 1
 
     def restart_wave(self) -> Optional[int]:
         n_waves = -(-self.requests // self.wave)
-        return n_waves // 2 if self.restart_decode and n_waves >= 3 else None
+        return n_waves // 2 if self.restart_decode and n_waves >= 3 and not self.multi_rank else None
 
 
 def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
@@ -82,6 +100,9 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
         raise ValueError(f"soak needs requests >= 1 and wave >= 2, got {cfg.requests}, {cfg.wave}")
     if not 0 <= cfg.fault_rate + cfg.bad_rate < 1:
         raise ValueError(f"fault_rate + bad_rate must be in [0, 1), got {cfg.fault_rate} + {cfg.bad_rate}")
+    if cfg.multi_rank and cfg.fault_rate > 0:
+        raise ValueError(f"dropped writes need one rank a side (harness.faults), got prefill_tp {cfg.prefill_tp}, "
+                         f"decode_tp {cfg.decode_tp} with fault_rate {cfg.fault_rate}")
     rng = random.Random(cfg.seed)
     region = cfg.wave * cfg.max_pages
     dropped = list(range(region, region + cfg.wave))
@@ -116,13 +137,17 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
             dst[rng.randrange(n)] = kv_pool_pages + rng.randrange(0, 64)
         requests.append(RequestSpec(
             src_kv_pages=src, dst_kv_pages=dst, aux_index=rng.randrange(cfg.wave), dst_aux_index=slot,
-            state=[StateSpec(STATE_KIND, st_src, st_dst)], allow_out_of_pool=fault == "bad_index", fault=fault,
+            state=[StateSpec(STATE_KIND, st_src, st_dst)] if cfg.state else [],
+            allow_out_of_pool=fault == "bad_index", fault=fault,
         ))
+    heads = {"head_num": KV_HEADS_MULTI_RANK} if cfg.multi_rank else {}
     return Scenario(
         name=name,
         requests=requests,
-        kv=KVPoolSpec(num_pages=kv_pool_pages),
-        state_pools=[StatePoolSpec(kind=STATE_KIND, num_pages=state_pages)],
+        kv=KVPoolSpec(num_pages=kv_pool_pages, **heads),
+        state_pools=[StatePoolSpec(kind=STATE_KIND, num_pages=state_pages, **heads)] if cfg.state else [],
+        prefill_tp=cfg.prefill_tp,
+        decode_tp=cfg.decode_tp,
         aux_rows=cfg.wave,
         wave=cfg.wave,
         dropped_kv_pages=dropped if cfg.fault_rate > 0 else [],
@@ -203,6 +228,9 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         "manager": res.prefill_manager,
         "requests": len(scn.requests),
         "wave": scn.wave,
+        "prefill_tp": scn.prefill_tp,
+        "decode_tp": scn.decode_tp,
+        "state": [pool.kind for pool in scn.state_pools],
         "outcomes": counts,
         "faults_injected": faults,
         "decode_killed_in_wave": k,
@@ -221,6 +249,19 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         "passed": (complete and violations == 0 and not stray and not died and clean_ok
                    and (k is None or bool(res.waves.get(RESTARTED_DECODE)))),
     }
+
+
+def carries_state(family: str, prefill_tp: int, decode_tp: int) -> bool:
+    """Whether the soak's requests carry SWA state for ``family`` ("mooncake", "nixl") at these
+    TP sizes on the installed release: always at equal sizes; across sizes only where the
+    release's stock manager sends SWA head slices (``releases.features()``: 0.5.23). Up to
+    0.5.12.x SGLang refuses SWA state across TP sizes per request, stock and ``-ext``
+    alike (issue 15); a soak would only measure that refusal."""
+    if prefill_tp == decode_tp:
+        return True
+    from sglang_disagg_ext import releases
+
+    return family in releases.features().stock_swa_head_slice_backends
 
 
 def soak_env(backend: str) -> Optional[Dict[str, str]]:
@@ -256,6 +297,8 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
     """The soak's summaries side by side, one column per backend."""
     rows = [("backend", lambda s: s["backend"]), ("SGLang", lambda s: s["sglang"] or "?"),
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
+            ("prefill TP -> decode TP", lambda s: f"{s['prefill_tp']} -> {s['decode_tp']}"),
+            ("state", lambda s: ", ".join(s["state"]) or "none (KV, aux)"),
             ("faults: engine / bad index",
              lambda s: f"{s['faults_injected']['engine']} / {s['faults_injected']['bad_index']}"),
             ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else

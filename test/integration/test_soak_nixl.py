@@ -91,6 +91,31 @@ def test_dead_decode_rooms_stock_stay_bootstrapping_ext_fail_in_bound():
     assert "decode None" in stock["violation_examples"]["hung"], stock["violation_examples"]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-tp1", "tp1-tp2"])
+def test_nixl_ext_soak_over_ranks(p, d):
+    """The soak with P prefill and D decode rank processes (heterogeneous TP, 2 KV heads: one
+    a rank at TP 2): 64 requests, 32 in flight, one in 16 with an out-of-pool decode KV index.
+    Every decode rank checks every element of the heads it holds and that no page outside
+    the wave's targets was written. SWA state rides along where SGLang sends it across TP
+    sizes (0.5.23, ``soak.carries_state``); up to 0.5.12.x stock and ``-ext`` both refuse it
+    per request (issue 15), so there the requests carry KV and aux only. No stock assertion:
+    the heterogeneous-TP differential is F4's (test_nixl_ext.py)."""
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 16, seed=11,
+                          prefill_tp=p, decode_tp=d, state=soak.carries_state("nixl", p, d))
+    scn = soak.make_scenario(cfg, name=f"soak-nixl-ext-tp{p}-tp{d}")
+    res = run_scenario(scn, "nixl-ext", extra_env=soak.soak_env("nixl-ext"))
+    s = soak.judge(scn, res)
+    assert s["passed"], soak.format_summaries([s])
+    assert (s["prefill_tp"], s["decode_tp"]) == (p, d)
+    bad = [i for i, r in enumerate(scn.requests) if r.fault == "bad_index"]
+    assert bad and s["outcomes"]["failed_as_faulted"] == len(bad)
+    assert s["outcomes"]["ok"] == cfg.requests - len(bad) and not s["stray_writes"]
+    # Every rank of each side took part in every request.
+    for rr in res.requests:
+        assert sorted(rr.rank_status) == [f"decode{r}" for r in range(d)] + [f"prefill{r}" for r in range(p)], rr
+
+
 def test_nixl_soak_refuses_dropped_writes():
     with pytest.raises(ValueError, match="Mooncake's engine only"):
         soak.run_soak("nixl", soak.SoakConfig(requests=8, wave=4, fault_rate=0.5))

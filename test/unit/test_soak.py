@@ -78,6 +78,38 @@ def test_soak_config_is_checked():
         scn.validate()
 
 
+def test_multi_rank_soak_config():
+    # P=2 -> D=1: KV and SWA pools of 2 heads (one a rank at TP 2), no restart, no dropped pages.
+    cfg = soak.SoakConfig(requests=96, wave=16, fault_rate=0.0, bad_rate=0.1, seed=5, prefill_tp=2, decode_tp=1)
+    assert cfg.multi_rank and cfg.restart_wave() is None  # 6 waves, but one decode process per rank
+    scn = soak.make_scenario(cfg)
+    scn.validate()
+    assert (scn.prefill_tp, scn.decode_tp) == (2, 1) and scn.restart_decode_in_wave is None
+    assert scn.kv.head_num == 2 and scn.state_pools[0].head_num == 2 and scn.dropped_kv_pages == []
+    # The same requests as one rank a side with the same seed: only the layout differs.
+    one = soak.make_scenario(soak.SoakConfig(requests=96, wave=16, fault_rate=0.0, bad_rate=0.1, seed=5,
+                                             restart_decode=False))
+    assert [r.dst_kv_pages for r in one.requests] == [r.dst_kv_pages for r in scn.requests]
+    assert one.kv.head_num == 2 and one.state_pools[0].head_num == 1
+    # KV and aux only: no state pool, no request state.
+    bare = soak.make_scenario(soak.SoakConfig(requests=8, wave=4, fault_rate=0.0, prefill_tp=1, decode_tp=2,
+                                              state=False))
+    assert bare.state_pools == [] and all(r.state == [] for r in bare.requests)
+    # Dropped writes size a decode page from prefill's: one rank a side only.
+    with pytest.raises(ValueError, match="dropped writes need one rank a side"):
+        soak.make_scenario(soak.SoakConfig(requests=8, wave=4, fault_rate=0.1, prefill_tp=2))
+
+
+def test_multi_rank_waves_refuse_restart_and_dropped_pages():
+    base = dict(requests=[RequestSpec([1], [k]) for k in range(6)], kv=KVPoolSpec(num_pages=8), aux_rows=2,
+                wave=2, prefill_tp=2)
+    Scenario("ok", **base).validate()  # waves with several ranks a side
+    with pytest.raises(ScenarioError, match="need one rank a side"):
+        Scenario("r", restart_decode_in_wave=1, **base).validate()
+    with pytest.raises(ScenarioError, match="need one rank a side"):
+        Scenario("d", dropped_kv_pages=[7], **base).validate()
+
+
 def _rr(**kw):
     base = dict(index=0, room=1000, prefill_status="Success", decode_status="Success", bytes_verified=True)
     base.update(kw)
@@ -280,5 +312,7 @@ def test_soak_main_refuses_what_it_cannot_run(capsys):
     assert runner.soak_main(NS(backend=["mooncake", "nixl"], **base), policy, opts) == 2
     assert runner.soak_main(NS(backend=None, **base), policy, NS(protocol="rdma", device_type="cpu")) == 2
     assert runner.soak_main(NS(backend=None, **dict(base, wave=1)), policy, opts) == 2
+    assert runner.soak_main(NS(backend=None, prefill_tp=2, decode_tp=1, **base), policy, opts) == 2
     err = capsys.readouterr().err
     assert "one backend" in err and "TCP with CPU pools" in err and "wave >= 2" in err
+    assert "several ranks a side runs NIXL only" in err

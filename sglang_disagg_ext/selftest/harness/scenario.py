@@ -187,7 +187,8 @@ class Scenario:
     kv_checksum_on: str = "none"
     # Requests run ``wave`` at a time on each side (all senders / receivers of a
     # wave made, then sent, then polled together; decode checks the wave's bytes
-    # and resets its pools after it). 1: one after another. Single rank a side only.
+    # and resets its pools after it). 1: one after another. Multi-rank: each side's
+    # ranks meet at a barrier once per wave.
     wave: int = 1
     # Decode KV pages whose writes prefill's transfer engine fails, as a link that
     # drops them would (``harness.faults.drop_engine_writes``); empty: no fault.
@@ -238,8 +239,11 @@ class Scenario:
         _check_ranks(self)
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")
-        if self.wave > 1 and self.multi_rank:
-            raise ScenarioError(f"{self.name}: wave {self.wave} needs one rank a side")
+        if self.multi_rank and (self.dropped_kv_pages or self.restart_decode_in_wave is not None):
+            # harness.faults sizes a decode page from prefill's (equal TP); the restart
+            # replaces the one decode process of a 1x1 run.
+            raise ScenarioError(f"{self.name}: dropped_kv_pages and restart_decode_in_wave need one rank a side "
+                                f"(prefill_tp {self.prefill_tp}, decode_tp {self.decode_tp})")
         if self.wave > 1 and self.aux_rows < self.wave:
             raise ScenarioError(f"{self.name}: wave {self.wave} needs at least as many aux rows ({self.aux_rows})")
         _check_pages(self, "dropped_kv_pages", self.dropped_kv_pages, self.kv.num_pages)

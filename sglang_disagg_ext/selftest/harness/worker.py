@@ -564,25 +564,12 @@ class Worker:
         for pool in self.pools:
             exp = expected[pool.pool_id]
             for b, view in enumerate(pool.views):
-                actual = view  # patterns copies device tensors to host before comparing
-                if pool.pool_id == 0 and getattr(self, "kv_heads", None) is not None:  # KV, multi-rank
-                    mismatches += patterns.compare_kv_rank_buffer(
-                        actual, b, exp, num_layers=self.scn.num_layers, page_size=self.scn.page_size,
-                        total_heads=self.scn.kv.head_num, head_bytes=self._head_bytes(), heads=self.kv_heads,
-                        dtype_size=self._dtype_size(), label=f"decode rank {self.tp_rank} {pool.name} buffer {b}",
-                    )
-                    continue
-                if pool.pool_id in getattr(self, "state_heads", {}):  # paged state, multi-rank
-                    total, head_bytes, size, layers, held = self.state_heads[pool.pool_id]
-                    mismatches += patterns.compare_kv_rank_buffer(
-                        actual, b, exp, num_layers=layers, page_size=self.scn.page_size, total_heads=total,
-                        head_bytes=head_bytes, heads=held, dtype_size=size,
-                        label=f"decode rank {self.tp_rank} {pool.name} buffer {b}", pool_id=pool.pool_id,
-                    )
+                if self._rank_heads(pool.pool_id) is not None:
+                    mismatches += self._compare_rank_buffer(pool, b, view, exp)
                     continue
                 src_b, others = patterns.source_buffer(self.scn, pool.pool_id, b, len(pool.views))
                 mismatches += patterns.compare_buffer(
-                    actual, pool.pool_id, src_b, exp if src_b is not None else patterns.untouched(exp),
+                    view, pool.pool_id, src_b, exp if src_b is not None else patterns.untouched(exp),
                     f"{pool.name} buffer {b}", identify_buffers=others,
                 )
         rec["mismatches"] = mismatches
@@ -590,6 +577,28 @@ class Worker:
         rec["expected_writes"] = {
             expected[p.pool_id].name: len(expected[p.pool_id].writes) for p in self.pools
         }
+
+    def _rank_heads(self, pool_id: int):
+        """Multi-rank runs: (total heads, bytes per head, element size, layers, heads held)
+        of pool ``pool_id`` when this decode rank holds a head share of it (KV, paged
+        state), else None (aux rows, single-rank pools: compared whole)."""
+        from sglang_disagg_ext.selftest.harness.scenario import KV_POOL_ID
+
+        if pool_id == KV_POOL_ID and getattr(self, "kv_heads", None) is not None:
+            return (self.scn.kv.head_num, self._head_bytes(), self._dtype_size(), self.scn.num_layers, self.kv_heads)
+        return getattr(self, "state_heads", {}).get(pool_id)
+
+    def _compare_rank_buffer(self, pool, b: int, view, exp) -> List[str]:
+        """One buffer of a pool this rank holds a head share of, every element of its heads
+        (patterns copies device tensors to host before comparing)."""
+        from sglang_disagg_ext.selftest.harness import patterns
+
+        total, head_bytes, size, layers, held = self._rank_heads(pool.pool_id)
+        return patterns.compare_kv_rank_buffer(
+            view, b, exp, num_layers=layers, page_size=self.scn.page_size, total_heads=total,
+            head_bytes=head_bytes, heads=held, dtype_size=size,
+            label=f"decode rank {self.tp_rank} {pool.name} buffer {b}", pool_id=pool.pool_id,
+        )
 
     def run_requests(self) -> None:
         if self.scn.wave > 1:
@@ -693,6 +702,7 @@ class Worker:
             sender.init(len(req.src_kv_pages), req.aux_index)
             sender.send(np.asarray(req.src_kv_pages, dtype=np.int32), state_indices=self._state_lists(req, "src_pages"))
 
+        self._rank_barrier()  # multi-rank: the prefill ranks start each wave together
         senders = {i: self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
                    for i, rec in zip(indices, recs)}
         self._wave_transfer(senders, indices, recs, send)
@@ -726,6 +736,10 @@ class Worker:
         wave. Records each request's status and seconds from its start to its final state."""
         deadline = time.monotonic() + self.scn.timeouts.request_s
         states = self._poll_all(objs, ("WaitingForInput",) + FINAL, deadline)
+        if self.role == "decode":
+            # Multi-rank: SGLang's waiting timeout runs from each rank's send_metadata and
+            # prefill serves a room once every decode rank has sent (see run_decode).
+            self._rank_barrier()
         started = {}
         for i, rec in zip(indices, recs):
             if states[i] != "WaitingForInput":
@@ -775,15 +789,18 @@ class Worker:
         per_room, stray = patterns.wave_expectations(self.scn, statuses)
         for i, rec in zip(indices, recs):
             rec["mismatches"] = []
+        def compare(pool, b, view, exp) -> List[str]:
+            if self._rank_heads(pool.pool_id) is not None:  # multi-rank: this rank's heads
+                return self._compare_rank_buffer(pool, b, view, exp)
+            return patterns.compare_buffer(view, pool.pool_id, b, exp, f"{pool.name} buffer {b}")
+
+        wave.setdefault("stray_writes", [])
         for pool in self.pools:
             for b, view in enumerate(pool.views):
-                label = f"{pool.name} buffer {b}"
                 for i, rec in zip(indices, recs):
                     if i in per_room:
-                        rec["mismatches"] += patterns.compare_buffer(view, pool.pool_id, b, per_room[i][pool.pool_id],
-                                                                     label)
-                wave.setdefault("stray_writes", [])
-                wave["stray_writes"] += patterns.compare_buffer(view, pool.pool_id, b, stray[pool.pool_id], label)
+                        rec["mismatches"] += compare(pool, b, view, per_room[i][pool.pool_id])
+                wave["stray_writes"] += compare(pool, b, view, stray[pool.pool_id])
         for i, rec in zip(indices, recs):
             rec["bytes_verified"] = i in per_room and not rec["mismatches"]
         for pool in self.pools:
