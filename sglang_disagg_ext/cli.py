@@ -93,12 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every -ext side with verified transfers on (SGLANG_DISAGG_EXT_VERIFY=1): decode "
                         "checks a digest of every byte before Success, where the backend and release allow")
     soak = p.add_argument_group("soak", "--soak: many concurrent requests with injected faults, stock and -ext "
-                                        "side by side (Mooncake over TCP; see selftest/soak.py)")
+                                        "side by side (Mooncake or NIXL over TCP; see selftest/soak.py)")
     soak.add_argument("--soak", action="store_true", help="run the soak instead of the scenario rows")
     soak.add_argument("--requests", type=int, default=512, help="soak requests in all (default 512)")
     soak.add_argument("--wave", type=int, default=64, help="soak requests in flight at once (default 64)")
     soak.add_argument("--fault-rate", type=float, default=1 / 16,
-                      help="share of soak requests whose write the engine drops (default 1/16)")
+                      help="Mooncake: share of soak requests whose write the engine drops; NIXL: prefill's agent "
+                           "fails 1 in round(1/R) of its posts (default 1/16)")
     soak.add_argument("--bad-rate", type=float, default=1 / 32,
                       help="share of soak requests with a decode index outside the pool (default 1/32)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")

@@ -601,6 +601,32 @@ class SGLangFeatures:
                         found.add(backend)
         return frozenset(found)
 
+    @functools.cached_property
+    def stock_nixl_sender_poll_raises(self) -> bool:
+        """Whether stock ``NixlKVSender.poll`` itself raises (read from the installed
+        ``disaggregation/nixl/conn.py``, imports nothing).
+
+        0.5.10.post1 and 0.5.11 poll every transfer handle in the sender and raise
+        ``Exception("KVSender transfer encountered an error.")`` on an ERR handle
+        (0.5.11 nixl/conn.py:1153), into the scheduler's ``poll_and_all_reduce``;
+        0.5.12.x hands the handles to ``transfer_worker``, which fails the room."""
+        import ast
+
+        spec = importlib.util.find_spec("sglang.srt.disaggregation")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        path = os.path.join(list(spec.submodule_search_locations)[0], "nixl", "conn.py")
+        if not os.path.exists(path):
+            return False
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for cls in tree.body:
+            if isinstance(cls, ast.ClassDef) and cls.name == "NixlKVSender":
+                for fn in cls.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "poll":
+                        return any(isinstance(node, ast.Raise) for node in ast.walk(fn))
+        return False
+
     # -- F5: the shape of the stock retract/resume code ------------------------------
 
     @functools.cached_property

@@ -318,6 +318,9 @@ class NixlExtKVManager(NixlKVManager):
         self._ext_peer_errors: Dict[str, str] = {}
         self._ext_failed_rooms: Dict[int, str] = {}
         self._ext_notified_rooms: set = set()
+        # room -> decode agent names of its last chunk, until the room ends (record_failure,
+        # the sender's Success): who to tell when a posted transfer fails later.
+        self._ext_posted_peers: Dict[int, List[str]] = {}
         self._ext_layouts: Dict[tuple, HeadLayout] = {}
         self._ext_total_kv_heads: Optional[int] = None
         # decode agent name -> PoolBounds it published; written by the bootstrap
@@ -670,6 +673,11 @@ class NixlExtKVManager(NixlKVManager):
                 if is_last:
                     self._ext_forget_room(bootstrap_room)
                 return []
+        if is_last and peers:
+            # Stock drops transfer_infos[room] after posting the last chunk (0.5.10.post1,
+            # 0.5.11); a transfer that then fails (ERR, seen in the sender's poll) must still
+            # reach decode, or decode waits out SGLang's waiting timeout (300 s by default).
+            self._ext_posted_peers[bootstrap_room] = [req.agent_name for req in peers]
         try:
             return super().add_transfer_request(
                 bootstrap_room, kv_indices, index_slice, is_last, chunk_id, *args, **kwargs
@@ -711,11 +719,13 @@ class NixlExtKVManager(NixlKVManager):
     def _ext_notify_failure(self, room: int, reason: str) -> None:
         """Tell every decode rank of ``room`` that this prefill rank gave up on it."""
         tag = failure_tag(room, self._ext_pp_rank, self._ext_engine_rank, reason).encode("ascii")
-        for req in list(self.transfer_infos.get(room, {}).values()):
+        agents = [req.agent_name for req in list(self.transfer_infos.get(room, {}).values())]
+        posted = self._ext_posted_peers.pop(room, None) or []
+        for agent_name in agents + [a for a in posted if a not in agents]:
             try:
-                self.agent._agent.send_notif(req.agent_name, tag)
+                self.agent._agent.send_notif(agent_name, tag)
             except Exception as exc:  # noqa: BLE001 - decode then ends by its own timeout
-                logger.warning("nixl-ext: could not tell decode %s that room %s failed: %s", req.agent_name, room, exc)
+                logger.warning("nixl-ext: could not tell decode %s that room %s failed: %s", agent_name, room, exc)
 
     def _ext_on_failure_notice(self, peer: str, notice) -> None:
         """Decode: a prefill rank reported ``notice.room`` as failed."""
@@ -855,6 +865,8 @@ class NixlExtKVSender(NixlKVSender):
                 raise
             mgr.record_failure(self.bootstrap_room, f"NIXL transfer error: {exc}")
             return KVPoll.Failed
+        if status == KVPoll.Success and isinstance(mgr, NixlExtKVManager):
+            mgr._ext_posted_peers.pop(self.bootstrap_room, None)
         if status == KVPoll.Bootstrapping and isinstance(mgr, NixlExtKVManager):
             elapsed = self._ext_bootstrap_expired(mgr)
             if elapsed is not None:

@@ -332,11 +332,15 @@ def soak_main(args, policy, options) -> int:
         return 2
     family = families.pop()
     fault_rate = args.fault_rate
-    if family == "nixl" and fault_rate > 0:
-        # Dropped writes wrap Mooncake's engine object only (harness/faults.py).
-        print("[selftest] soak: NIXL runs without dropped writes (Mooncake only); fault rate 0", file=sys.stderr)
-        fault_rate = 0.0
     tp = (getattr(args, "prefill_tp", 1), getattr(args, "decode_tp", 1))
+    if tp != (1, 1) and fault_rate > 0:
+        # harness/faults.py models one process a side (a decode page sized from prefill's,
+        # one post counter).
+        print("[selftest] soak: several ranks a side: no engine faults; fault rate 0", file=sys.stderr)
+        fault_rate = 0.0
+    if family == "nixl" and fault_rate > 0:
+        print(f"[selftest] soak: NIXL: prefill's agent fails 1 in {max(2, round(1 / fault_rate))} transfers it "
+              f"posts (NIXL handles name no request)", file=sys.stderr)
     state = True
     if tp != (1, 1):
         if family != "nixl":
@@ -352,7 +356,7 @@ def soak_main(args, policy, options) -> int:
                           restart_decode=not getattr(args, "no_restart", False) and tp == (1, 1),
                           prefill_tp=tp[0], decode_tp=tp[1], state=state)
     try:
-        soak.make_scenario(cfg).validate()
+        soak.make_scenario(cfg, engine=family).validate()
     except ValueError as exc:
         print(f"selftest: --soak: {exc}", file=sys.stderr)
         return 2

@@ -23,17 +23,22 @@ metadata of half that wave's requests) and the harness starts a new decode
 process (new engine, new session) for the waves after it; prefill must end each
 of the killed wave's requests within the bound, and serve the new decode.
 
-NIXL (UCX over TCP) runs with bad indices but without dropped writes
-(``harness.faults`` wraps Mooncake's engine only): one rank a side with the
-restart, or several ranks a side (``prefill_tp``/``decode_tp``, e.g. P=2/D=1 and
+NIXL (UCX over TCP) has its own engine fault: NIXL's transfer handles name no
+request (0.5.23 posts prepared handles without a notification), so prefill's
+agent fails every ``round(1 / fault_rate)``-th transfer it posts
+(``harness.faults.fail_nixl_posts``), no request is marked, and :func:`judge`
+allows at most that many valid requests to end Failed (on both sides, with a
+reason: "failed on failed post"), only in the waves where posts were failed.
+It runs one rank a side with the restart, or several ranks a side (``prefill_tp``/``decode_tp``, e.g. P=2/D=1 and
 P=1/D=2: one process per rank, each rank's pools holding its share of
 ``KV_HEADS_MULTI_RANK`` heads, every decode rank checking every element of its
-heads) without it, since the restart replaces the one decode process of a 1x1 run.
+heads) without the restart and the engine fault, both of which model one process a side.
 Up to 0.5.12.x SGLang does not send SWA state across different TP sizes (stock
 and ``nixl-ext``: issue 15), so the CLI runs those with KV and aux only.
 
-Not covered yet (issue 19): dropped NIXL writes, mismatched state lengths as a
-bad input (0.5.23 truncates SWA/DSA state lists on purpose, mooncake/conn.py).
+Not covered yet (issue 19): mismatched state lengths as a bad input (0.5.23
+truncates SWA/DSA state lists on purpose, mooncake/conn.py), engine faults with
+several ranks a side.
 """
 
 from __future__ import annotations
@@ -89,8 +94,14 @@ class SoakConfig:
         return n_waves // 2 if self.restart_decode and n_waves >= 3 and not self.multi_rank else None
 
 
-def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
+def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake") -> Scenario:
     """The soak's requests, derived from ``cfg`` alone (the same for stock and ext).
+
+    ``engine`` "mooncake": a share ``fault_rate`` of requests target a dropped decode
+    page (``harness.faults.drop_engine_writes``). "nixl": prefill's agent fails every
+    ``round(1 / fault_rate)``-th transfer it posts instead (``fail_nixl_posts``: NIXL
+    handles name no request), no request is marked, and :func:`judge` bounds the
+    failures by that count; the bad-index requests are the same as Mooncake's.
 
     Decode KV pages: slot ``k`` of a wave owns pages ``[k*max_pages, (k+1)*max_pages)``,
     so the requests of one wave never share a page; after those, one dropped page
@@ -100,12 +111,15 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
         raise ValueError(f"soak needs requests >= 1 and wave >= 2, got {cfg.requests}, {cfg.wave}")
     if not 0 <= cfg.fault_rate + cfg.bad_rate < 1:
         raise ValueError(f"fault_rate + bad_rate must be in [0, 1), got {cfg.fault_rate} + {cfg.bad_rate}")
+    if engine not in ("mooncake", "nixl"):
+        raise ValueError(f"soak engine must be mooncake or nixl, got {engine!r}")
     if cfg.multi_rank and cfg.fault_rate > 0:
         raise ValueError(f"dropped writes need one rank a side (harness.faults), got prefill_tp {cfg.prefill_tp}, "
                          f"decode_tp {cfg.decode_tp} with fault_rate {cfg.fault_rate}")
     rng = random.Random(cfg.seed)
     region = cfg.wave * cfg.max_pages
     dropped = list(range(region, region + cfg.wave))
+    drop_pages = engine == "mooncake" and cfg.fault_rate > 0
     prefill_kv_pages = PREFILL_POOL_FACTOR * region
     # Both sides build the same pool (the harness's KVPoolSpec); decode uses its first
     # region + wave pages. A bad index lies beyond the whole pool.
@@ -130,8 +144,10 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
         u = rng.random()
         fault = None
         if not clean and u < cfg.fault_rate:
-            fault = "engine"
-            dst[rng.randrange(n)] = dropped[slot]
+            j = rng.randrange(n)  # drawn for NIXL too: both engines get the same other requests
+            if drop_pages:
+                fault = "engine"
+                dst[j] = dropped[slot]
         elif not clean and u < cfg.fault_rate + cfg.bad_rate:
             fault = "bad_index"
             dst[rng.randrange(n)] = kv_pool_pages + rng.randrange(0, 64)
@@ -150,15 +166,16 @@ def make_scenario(cfg: SoakConfig, name: str = "soak") -> Scenario:
         decode_tp=cfg.decode_tp,
         aux_rows=cfg.wave,
         wave=cfg.wave,
-        dropped_kv_pages=dropped if cfg.fault_rate > 0 else [],
+        dropped_kv_pages=dropped if drop_pages else [],
+        fail_every_nth_post=max(2, round(1 / cfg.fault_rate)) if engine == "nixl" and cfg.fault_rate > 0 else 0,
         restart_decode_in_wave=cfg.restart_wave(),
         timeouts=Timeouts(request_s=cfg.request_s),
     )
 
 
-OUTCOMES = ("ok", "failed_as_faulted", "lost_with_decode", "collateral_failure", "wrong_bytes", "split",
-            "fault_unreported", "no_reason", "hung", "raised")
-VIOLATIONS = OUTCOMES[3:]
+OUTCOMES = ("ok", "failed_as_faulted", "failed_on_failed_post", "lost_with_decode", "collateral_failure",
+            "wrong_bytes", "split", "fault_unreported", "no_reason", "hung", "raised")
+VIOLATIONS = OUTCOMES[4:]
 
 
 def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
@@ -205,8 +222,18 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     k = scn.restart_decode_in_wave
     killed = set(scn.waves()[k]) if k is not None else set()
     clean_ok = True
+    # NIXL's failed posts name no request: a valid request Failed on both sides with a
+    # reason, in a wave where posts were failed, counts against the posts failed; any
+    # beyond that many are collateral failures.
+    n_waves = len(scn.waves())
+    post_fault_waves = ({w for w in range(n_waves)} - {n_waves - 1, k}) if scn.fail_every_nth_post else set()
+    posts_failed = (res.dropped_writes or {}).get("engine_calls_failed", 0) if scn.fail_every_nth_post else 0
+    wave_of = {i: w for w, idx in enumerate(scn.waves()) for i in idx}
     for req, rr in zip(scn.requests, res.requests):
         o = outcome(req, rr, rr.index in killed)
+        if (o == "collateral_failure" and wave_of.get(rr.index) in post_fault_waves and rr.prefill_failure_reason
+                and counts["failed_on_failed_post"] < posts_failed):
+            o = "failed_on_failed_post"
         counts[o] += 1
         if req.fault:
             faults[req.fault] += 1
@@ -236,6 +263,7 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
         "decode_killed_in_wave": k,
         "decode_restarted": k is not None and bool(res.waves.get(RESTARTED_DECODE)),
         "engine_calls_failed": (res.dropped_writes or {}).get("engine_calls_failed", 0),
+        "fail_every_nth_post": scn.fail_every_nth_post,
         "violations": violations,
         "violation_examples": examples,
         "stray_writes": stray[:10],
@@ -281,10 +309,8 @@ def soak_env(backend: str) -> Optional[Dict[str, str]]:
 
 def run_soak(backend: str, cfg: SoakConfig, python: Optional[str] = None,
              timeout_s: Optional[float] = None) -> Dict[str, Any]:
-    if backend.startswith("nixl") and cfg.fault_rate > 0:
-        raise ValueError("dropped-write faults are built for Mooncake's engine only: "
-                         "a NIXL soak needs fault_rate 0 (bad indices and the restart still apply)")
-    scn = make_scenario(cfg, name=f"soak-{backend}")
+    engine = "nixl" if backend.startswith("nixl") else "mooncake"
+    scn = make_scenario(cfg, name=f"soak-{backend}", engine=engine)
     res = run_scenario(scn, backend, timeout_s, python=python, extra_env=soak_env(backend))
     return judge(scn, res)
 
@@ -299,8 +325,9 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
             ("prefill TP -> decode TP", lambda s: f"{s['prefill_tp']} -> {s['decode_tp']}"),
             ("state", lambda s: ", ".join(s["state"]) or "none (KV, aux)"),
-            ("faults: engine / bad index",
-             lambda s: f"{s['faults_injected']['engine']} / {s['faults_injected']['bad_index']}"),
+            ("faults: engine / bad index", lambda s: (
+                f"{s['engine_calls_failed']} posts (1 in {s['fail_every_nth_post']})" if s["fail_every_nth_post"]
+                else str(s["faults_injected"]["engine"])) + f" / {s['faults_injected']['bad_index']}"),
             ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else
              f"wave {s['decode_killed_in_wave']}, " + ("restarted" if s["decode_restarted"] else "NOT restarted"))]
     rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]

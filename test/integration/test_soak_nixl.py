@@ -21,7 +21,7 @@ not built yet). On 0.5.23 NIXL itself refuses the index (``NIXL_ERR_INVALID_PARA
 
 Replaced: on releases where ``nixl-ext`` is stock for memory registration (F4 not live)
 the rig's host-memory shim lets NIXL register the CPU pools (``harness/nixl_shim.py``;
-this machine's UCX has no CUDA). Dropped writes are Mooncake-only (``harness/faults.py``).
+this machine's UCX has no CUDA). The engine fault for NIXL is a failed post (``harness/faults.py``).
 
 The decode restart, differential, where ``nixl-ext`` is F4's classes: the decode worker
 SIGKILLs itself in wave 1 of 3 after sending half that wave's metadata. Stock NIXL's
@@ -116,6 +116,51 @@ def test_nixl_ext_soak_over_ranks(p, d):
         assert sorted(rr.rank_status) == [f"decode{r}" for r in range(d)] + [f"prefill{r}" for r in range(p)], rr
 
 
-def test_nixl_soak_refuses_dropped_writes():
-    with pytest.raises(ValueError, match="Mooncake's engine only"):
-        soak.run_soak("nixl", soak.SoakConfig(requests=8, wave=4, fault_rate=0.5))
+@pytest.mark.timeout(240)
+def test_failed_nixl_posts_end_their_requests_on_both_sides():
+    """Prefill's agent fails 1 in 8 of the transfers it posts in the first wave
+    (``harness.faults.fail_nixl_posts``: nothing moves, ``check_xfer_state`` says ERR
+    from then on; the second wave is clean). 64 requests, 32 in flight, no bad index.
+
+    ``-ext`` on every release: no more requests fail than posts were failed, each Failed
+    on both sides with a reason, every other request Success with every byte right.
+    Where ``nixl-ext`` is F4's classes, decode is told (the reason names the prefill
+    rank that failed it) instead of waiting out SGLang's waiting timeout: stock drops
+    the room's peers after posting its last chunk, so nobody could tell decode.
+    Stock, where its sender's poll raises on an ERR handle
+    (``releases.features().stock_nixl_sender_poll_raises``: 0.5.10.post1, 0.5.11):
+    requests "raised" into the caller, the soak fails; elsewhere stock passes too."""
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=1 / 8, bad_rate=0.0, seed=3, restart_decode=False)
+    ext = soak.run_soak("nixl-ext", cfg)
+    assert ext["passed"], soak.format_summaries([ext])
+    assert ext["fail_every_nth_post"] == 8 and ext["engine_calls_failed"] > 0, soak.format_summaries([ext])
+    failed = ext["outcomes"]["failed_on_failed_post"]
+    assert 0 < failed <= ext["engine_calls_failed"] and ext["outcomes"]["ok"] == 64 - failed
+    stock = soak.run_soak("nixl", cfg)
+    if releases.features().stock_nixl_sender_poll_raises:
+        assert stock["outcomes"]["raised"] > 0 and not stock["passed"], soak.format_summaries([stock, ext])
+    else:
+        assert stock["passed"], soak.format_summaries([stock, ext])
+
+
+@pytest.mark.skipif(not _f4_classes_routed(), reason=f"n/a on SGLang {POLICY.version}: nixl-ext is not F4's "
+                    "classes here (stock's transfer worker tells decode)")
+@pytest.mark.timeout(120)
+def test_decode_is_told_of_a_failed_nixl_post():
+    """One wave of 32 then a clean one; the failed posts' requests end Failed on decode with
+    the prefill rank's reason, not SGLang's waiting timeout (``Timeouts.sglang_waiting_s``)."""
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=1 / 8, bad_rate=0.0, seed=3, restart_decode=False)
+    scn = soak.make_scenario(cfg, name="soak-nixl-ext-posts", engine="nixl")
+    res = run_scenario(scn, "nixl-ext", extra_env=soak.soak_env("nixl-ext"))
+    failed = [rr for rr in res.requests if rr.decode_status == "Failed"]
+    assert failed, res.describe()
+    for rr in failed:
+        assert rr.prefill_status == "Failed", res.describe()
+        assert "prefill rank 0 (" in rr.decode_failure_reason and "failed the transfer" in rr.decode_failure_reason, (
+            rr.decode_failure_reason)
+        assert "timed out" not in rr.decode_failure_reason, rr.decode_failure_reason
+
+
+def test_multi_rank_soak_refuses_engine_faults():
+    with pytest.raises(ValueError, match="one rank a side"):
+        soak.run_soak("nixl", soak.SoakConfig(requests=8, wave=4, fault_rate=0.5, prefill_tp=2))

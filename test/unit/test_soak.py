@@ -170,6 +170,70 @@ def test_judge_counts_and_verdict():
     assert not soak.judge(scn, short)["passed"]
 
 
+def _failed(index, reason="NIXL transfer encountered ERR"):
+    return _rr(index=index, prefill_status="Failed", decode_status="Failed", prefill_failure_reason=reason)
+
+
+def test_judge_bounds_failed_posts_by_their_count():
+    # Three waves of 2; posts fail (1 in 4) in waves 0 and 1, never in the last.
+    scn = Scenario("p", [RequestSpec([1], [k]) for k in range(6)], kv=KVPoolSpec(num_pages=8), aux_rows=2, wave=2,
+                   fail_every_nth_post=4)
+    two_failed = {"fail_every": 4, "engine_calls_failed": 2}
+    reqs = [_failed(0), _rr(index=1), _rr(index=2), _failed(3), _rr(index=4), _rr(index=5)]
+    s = soak.judge(scn, ScenarioResult("p", "nixl-ext", requests=reqs, dropped_writes=two_failed))
+    assert s["passed"] and s["outcomes"]["failed_on_failed_post"] == 2 and s["outcomes"]["ok"] == 4
+    assert s["fail_every_nth_post"] == 4 and s["engine_calls_failed"] == 2
+    # One failed post, two failed requests: the second is a collateral failure.
+    one_failed = {"fail_every": 4, "engine_calls_failed": 1}
+    s = soak.judge(scn, ScenarioResult("p", "nixl-ext", requests=reqs, dropped_writes=one_failed))
+    assert not s["passed"] and s["outcomes"]["failed_on_failed_post"] == 1
+    assert s["outcomes"]["collateral_failure"] == 1
+    # A failure in the clean last wave is never put on a failed post.
+    late = reqs[:4] + [_failed(4), _rr(index=5)]
+    s = soak.judge(scn, ScenarioResult("p", "nixl-ext", requests=late, dropped_writes={"engine_calls_failed": 9}))
+    assert not s["passed"] and s["outcomes"]["collateral_failure"] == 1
+    # Without a reason it stays a violation.
+    quiet = [_failed(0, reason=None)] + reqs[1:]
+    s = soak.judge(scn, ScenarioResult("p", "nixl-ext", requests=quiet, dropped_writes=two_failed))
+    assert not s["passed"] and s["outcomes"]["collateral_failure"] == 1
+
+
+def test_nixl_soak_marks_no_request_and_fails_posts():
+    cfg = soak.SoakConfig(requests=64, wave=16, fault_rate=1 / 16, bad_rate=1 / 32, seed=7)
+    moon, nixl = soak.make_scenario(cfg), soak.make_scenario(cfg, engine="nixl")
+    assert nixl.fail_every_nth_post == 16 and nixl.dropped_kv_pages == [] and moon.fail_every_nth_post == 0
+    assert not any(r.fault == "engine" for r in nixl.requests)
+    # The same bad-index requests as Mooncake's, with the same bad pages.
+    assert any(r.fault == "bad_index" for r in nixl.requests)
+    assert [(i, r.dst_kv_pages) for i, r in enumerate(moon.requests) if r.fault == "bad_index"] == [
+        (i, r.dst_kv_pages) for i, r in enumerate(nixl.requests) if r.fault == "bad_index"]
+    with pytest.raises(ScenarioError, match="fail_every_nth_post must be 0"):
+        Scenario("x", [RequestSpec([1], [1])], fail_every_nth_post=1).validate()
+    with pytest.raises(ScenarioError, match="exclude each other"):
+        Scenario("x", [RequestSpec([1], [1])], kv=KVPoolSpec(num_pages=4), fail_every_nth_post=4,
+                 dropped_kv_pages=[3]).validate()
+
+
+def test_failed_posts_fail_every_nth_and_only_those():
+    agent = SimpleNamespace(posted=[])
+    agent.transfer = lambda handle, *a: agent.posted.append(handle) or "PROC"
+    agent.check_xfer_state = lambda handle: "DONE"
+    state = faults.fail_nixl_posts(SimpleNamespace(agent=agent), 3)
+    handles = [object() for _ in range(7)]
+    assert [agent.transfer(h) for h in handles] == ["PROC"] * 7
+    # Posts 3 and 6 failed: never reached the agent, ERR from then on; the rest are the agent's.
+    assert agent.posted == [handles[i] for i in (0, 1, 3, 4, 6)]
+    assert [agent.check_xfer_state(h) for h in handles] == ["DONE", "DONE", "ERR", "DONE", "DONE", "ERR", "DONE"]
+    assert state.report() == {"fail_every": 3, "engine_calls_failed": 2, "engine_calls_passed": 5}
+    state.active = False  # a fault-free wave
+    more = [object() for _ in range(3)]
+    for h in more:
+        agent.transfer(h)
+    assert agent.posted[-3:] == more and state.calls_failed == 2
+    with pytest.raises(ValueError):
+        faults.fail_nixl_posts(SimpleNamespace(agent=agent), 1)
+
+
 def test_wave_expectations_by_hand():
     # Two requests in a wave; request 0 ended Success, request 1 Failed.
     scn = Scenario(

@@ -104,3 +104,77 @@ def drop_engine_writes(mgr, kv_pages: Iterable[int]) -> DroppedWrites:
 
         engine.transfer_sync = transfer_sync
     return state
+
+
+# -- NIXL: every n-th posted transfer fails --------------------------------------------
+# NIXL's transfer handles carry no request id on every release (0.5.23 posts prepared
+# handles without a notification), and their destination descriptors are opaque
+# objects; so the NIXL fault is counted by posts, as a link failing 1 in n writes, and
+# the soak judges the failures by count (``selftest.soak.judge``): no more requests may
+# fail than transfers were failed, each on both sides with a reason.
+
+
+class FailedPosts:
+    """The NIXL wrapper's state: which posts it failed, and how many it let through."""
+
+    def __init__(self, every: int):
+        if every < 2:
+            raise ValueError(f"fail every n-th NIXL post needs n >= 2, got {every}")
+        self.every = every
+        self.active = True  # the worker turns it off for the soak's fault-free waves
+        # id -> the handle itself: holding it keeps its id from being reused by a later
+        # handle (which would then read "ERR" without having been failed).
+        self.failed_handles: Dict[int, object] = {}
+        self.calls_failed = 0
+        self.calls_passed = 0
+        self._lock = threading.Lock()
+
+    def take(self, handle) -> bool:
+        """Count one post of ``handle``; True when this one is to fail."""
+        with self._lock:
+            n = self.calls_failed + self.calls_passed + 1
+            if n % self.every == 0:
+                self.calls_failed += 1
+                self.failed_handles[id(handle)] = handle
+                return True
+            self.calls_passed += 1
+            return False
+
+    def failed(self, handle) -> bool:
+        with self._lock:
+            return self.failed_handles.get(id(handle)) is handle
+
+
+    def report(self) -> Dict[str, int]:
+        return {"fail_every": self.every, "engine_calls_failed": self.calls_failed,
+                "engine_calls_passed": self.calls_passed}
+
+
+def fail_nixl_posts(mgr, every: int) -> FailedPosts:
+    """Fail every ``every``-th transfer ``mgr``'s NIXL agent posts (``agent.transfer``).
+
+    A failed post moves nothing and returns "PROC" (posted, in flight), and from then
+    on ``check_xfer_state`` reports "ERR" for that handle, what NIXL reports for a
+    write the network lost; every other call goes to the agent unchanged. Wrapped on
+    the one agent object the manager holds (stock's ``nixl_agent`` or ``nixl-ext``'s
+    proxy around it), so what the manager does with the error is its own code. Notification-only handles (``send_notif``) are
+    not posts and are never failed.
+    """
+    state = FailedPosts(every)
+    agent = mgr.agent
+    transfer, check = agent.transfer, agent.check_xfer_state
+
+    def transfer_(handle, *args, **kwargs):
+        # nixl-ext's notification-only handles (send_notif) are not posts.
+        if state.active and type(handle).__name__ != "_NotifOnly" and state.take(handle):
+            return "PROC"
+        return transfer(handle, *args, **kwargs)
+
+    def check_xfer_state(handle):
+        if state.failed(handle):
+            return "ERR"
+        return check(handle)
+
+    agent.transfer = transfer_
+    agent.check_xfer_state = check_xfer_state
+    return state

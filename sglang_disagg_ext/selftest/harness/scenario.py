@@ -193,6 +193,9 @@ class Scenario:
     # Decode KV pages whose writes prefill's transfer engine fails, as a link that
     # drops them would (``harness.faults.drop_engine_writes``); empty: no fault.
     dropped_kv_pages: List[int] = dataclasses.field(default_factory=list)
+    # NIXL: prefill's agent fails every n-th transfer it posts (``harness.faults.fail_nixl_posts``),
+    # in every wave but the last and the one whose decode is killed; 0: no fault.
+    fail_every_nth_post: int = 0
     # Wave runs: the decode worker kills itself (SIGKILL) in this wave, after sending
     # the metadata of half its requests, and the harness starts a new decode process
     # (a new engine and session, registering afresh) that serves the waves after it.
@@ -239,10 +242,16 @@ class Scenario:
         _check_ranks(self)
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")
-        if self.multi_rank and (self.dropped_kv_pages or self.restart_decode_in_wave is not None):
+        n = self.fail_every_nth_post
+        if isinstance(n, bool) or not isinstance(n, int) or n == 1 or n < 0:
+            raise ScenarioError(f"{self.name}: fail_every_nth_post must be 0 (off) or an int >= 2, got {n!r}")
+        if n and self.dropped_kv_pages:
+            raise ScenarioError(f"{self.name}: fail_every_nth_post (NIXL) and dropped_kv_pages (Mooncake) exclude "
+                                f"each other")
+        if self.multi_rank and (self.dropped_kv_pages or n or self.restart_decode_in_wave is not None):
             # harness.faults sizes a decode page from prefill's (equal TP); the restart
             # replaces the one decode process of a 1x1 run.
-            raise ScenarioError(f"{self.name}: dropped_kv_pages and restart_decode_in_wave need one rank a side "
+            raise ScenarioError(f"{self.name}: engine faults and restart_decode_in_wave need one rank a side "
                                 f"(prefill_tp {self.prefill_tp}, decode_tp {self.decode_tp})")
         if self.wave > 1 and self.aux_rows < self.wave:
             raise ScenarioError(f"{self.name}: wave {self.wave} needs at least as many aux rows ({self.aux_rows})")

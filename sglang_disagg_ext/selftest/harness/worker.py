@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 T_START = time.monotonic()
 
 POLL_SLEEP_S = 0.002
+POLL_RAISED = "raised"  # wave runs: a poll() that raised (worker._poll_one)
 FINAL = ("Success", "Failed")
 PEER_GRACE_S = 3.0  # a live prefill reaches its final state well inside this after decode
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
@@ -251,6 +252,10 @@ class Worker:
                 from sglang_disagg_ext.selftest.harness import faults
 
                 self.dropped = faults.drop_engine_writes(self.mgr, self.scn.dropped_kv_pages)
+            if self.scn.fail_every_nth_post:
+                from sglang_disagg_ext.selftest.harness import faults
+
+                self.dropped = faults.fail_nixl_posts(self.mgr, self.scn.fail_every_nth_post)
         else:
             self._run_decode_manager_hook()
         self.KVPoll = ss.kvpoll()
@@ -653,6 +658,8 @@ class Worker:
                 # waits instead of burning its own waiting timeout on that artefact.
                 _wait_ready(self.args.ready_files.split(os.pathsep),
                             time.monotonic() + 2 * self.scn.timeouts.request_s, wave=w - 1)
+            if self.role == "prefill" and w > 0 and w - 1 != self.scn.restart_decode_in_wave:
+                self._wait_decode_wave(w - 1)
             t0 = _now()
             recs = []
             for index in indices:
@@ -661,6 +668,10 @@ class Worker:
                 self.result["requests"].append(rec)
                 recs.append(rec)
             wave = {"wave": w, "requests": len(indices)}
+            if isinstance(getattr(self, "dropped", None), faults_failed_posts()):
+                # The last wave shows the workers still serve; the killed wave's requests
+                # are lost with their decode whatever happens: no fault in either.
+                self.dropped.active = w not in (len(self.scn.waves()) - 1, self.scn.restart_decode_in_wave)
             try:
                 if self.role == "prefill":
                     self._prefill_wave(indices, recs)
@@ -684,16 +695,54 @@ class Worker:
             )
             self.write_result()
 
+    def _wait_decode_wave(self, w: int) -> None:
+        """Prefill: start the next wave once decode has finished wave ``w`` (its result
+        file, or its restarted successor's, says so), for at most one wave bound.
+
+        A scheduler makes a request's sender when the request arrives, about when
+        decode sends its metadata; a harness side that raced a wave ahead would
+        start its bootstrap clock while the other still waits out a failed room's
+        timeout of the wave before, and fail rooms for the rig's sake."""
+        from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE
+
+        if not self.args.peer_result:
+            return
+        paths = [self.args.peer_result,
+                 os.path.join(os.path.dirname(self.args.peer_result), f"{RESTARTED_DECODE}.json")]
+        deadline = time.monotonic() + self.scn.timeouts.request_s
+        while time.monotonic() < deadline:
+            for path in paths:
+                try:
+                    with open(path) as f:
+                        peer = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                if peer.get("error") or any(x.get("wave", -1) >= w for x in peer.get("waves") or []):
+                    return
+            time.sleep(0.02)
+
     def _poll_all(self, objs: Dict[int, Any], targets, deadline: float) -> Dict[int, str]:
         """Poll each object until its state is in ``targets`` or the deadline passes; index -> state."""
         states = {i: None for i in objs}
         while True:
             for i, obj in objs.items():
-                if states[i] not in targets:
-                    states[i] = self.ss.poll_name(obj.poll())
-            if all(st in targets for st in states.values()) or time.monotonic() > deadline:
+                if states[i] not in targets and states[i] != POLL_RAISED:
+                    states[i] = self._poll_one(i, obj)
+            if all(st in targets or st == POLL_RAISED for st in states.values()) or time.monotonic() > deadline:
                 return states
             time.sleep(POLL_SLEEP_S)
+
+    def _poll_one(self, i: int, obj) -> str:
+        """``obj.poll()``'s state name; POLL_RAISED when it raised (in a server, into the
+        scheduler loop): recorded on request ``i`` (``_poll_raised``), never polled again,
+        and the rest of its wave goes on."""
+        try:
+            return self.ss.poll_name(obj.poll())
+        except Exception as exc:
+            from sglang_disagg_ext.selftest.harness.scenario import RAISED_INTO_CALLER
+
+            self._poll_raised[i] = f"{RAISED_INTO_CALLER}poll: {type(exc).__name__}: {exc}"[:2000]
+            return POLL_RAISED
 
     def _prefill_wave(self, indices: List[int], recs: List[Dict[str, Any]]) -> None:
         import numpy as np
@@ -735,6 +784,7 @@ class Worker:
         on each that got there, then all of those to a final state; one deadline for the
         wave. Records each request's status and seconds from its start to its final state."""
         deadline = time.monotonic() + self.scn.timeouts.request_s
+        self._poll_raised: Dict[int, str] = {}
         states = self._poll_all(objs, ("WaitingForInput",) + FINAL, deadline)
         if self.role == "decode":
             # Multi-rank: SGLang's waiting timeout runs from each rank's send_metadata and
@@ -743,7 +793,7 @@ class Worker:
         started = {}
         for i, rec in zip(indices, recs):
             if states[i] != "WaitingForInput":
-                rec["status"] = states[i]
+                rec["status"] = None if states[i] == POLL_RAISED else states[i]
                 continue
             started[i] = time.monotonic()
             try:
@@ -755,12 +805,17 @@ class Worker:
 
                 del started[i]
                 rec["error"] = f"{RAISED_INTO_CALLER}{type(exc).__name__}: {exc}"[:2000]
-                rec["status"] = self.ss.poll_name(objs[i].poll())
+                st = self._poll_one(i, objs[i])
+                rec["status"] = None if st == POLL_RAISED else st
         ends = self._poll_all_timed({i: objs[i] for i in started}, deadline)
         for i, rec in zip(indices, recs):
             if i in started:
                 rec["status"], t_end = ends[i]
                 rec["seconds"] = round(t_end - started[i], 4)
+                if rec["status"] == POLL_RAISED:
+                    rec["status"] = None
+            if i in self._poll_raised and not rec["error"]:
+                rec["error"] = self._poll_raised[i]
 
     def _poll_all_timed(self, objs: Dict[int, Any], deadline: float) -> Dict[int, tuple]:
         """As ``_poll_all`` to a final state, with the time each was first seen final."""
@@ -769,12 +824,13 @@ class Worker:
             now = time.monotonic()
             for i, obj in objs.items():
                 if i not in out:
-                    st = self.ss.poll_name(obj.poll())
-                    if st in FINAL:
+                    st = self._poll_one(i, obj)
+                    if st in FINAL or st == POLL_RAISED:
                         out[i] = (st, now)
             if len(out) == len(objs) or now > deadline:
                 for i, obj in objs.items():
-                    out.setdefault(i, (self.ss.poll_name(obj.poll()), now))
+                    if i not in out:
+                        out[i] = (self._poll_one(i, obj), now)
                 return out
             time.sleep(POLL_SLEEP_S)
 
@@ -868,6 +924,12 @@ class _Pool:
 
 
 @functools.lru_cache(maxsize=None)
+def faults_failed_posts():
+    from sglang_disagg_ext.selftest.harness.faults import FailedPosts
+
+    return FailedPosts
+
+
 def _load_hook(env: str):
     """The ``<file.py>:<function>`` hook named by ``$env``, loaded once per process (None when unset)."""
     spec = os.environ.get(env)
