@@ -333,11 +333,6 @@ def soak_main(args, policy, options) -> int:
     family = families.pop()
     fault_rate = args.fault_rate
     tp = (getattr(args, "prefill_tp", 1), getattr(args, "decode_tp", 1))
-    if tp != (1, 1) and fault_rate > 0:
-        # harness/faults.py models one process a side (a decode page sized from prefill's,
-        # one post counter).
-        print("[selftest] soak: several ranks a side: no engine faults; fault rate 0", file=sys.stderr)
-        fault_rate = 0.0
     if family == "nixl" and fault_rate > 0:
         print(f"[selftest] soak: NIXL: prefill's agent fails 1 in {max(2, round(1 / fault_rate))} transfers it "
               f"posts (NIXL handles name no request)", file=sys.stderr)

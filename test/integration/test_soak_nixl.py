@@ -96,6 +96,10 @@ def test_dead_decode_rooms_stock_stay_bootstrapping_ext_fail_in_bound():
 def test_nixl_ext_soak_over_ranks(p, d):
     """The soak with P prefill and D decode rank processes (heterogeneous TP, 2 KV heads: one
     a rank at TP 2): 64 requests, 32 in flight, one in 16 with an out-of-pool decode KV index.
+    No failed posts here: with two prefill ranks a failed post can leave decode Success while
+    the rank that saw ERR fails the room (measured on 0.5.12.post1: 12 of 512; it fits a failed
+    aux post, decode completing on the other rank's identical row), a split the ``-ext``
+    classes do not prevent yet (README, soak section).
     Every decode rank checks every element of the heads it holds and that no page outside
     the wave's targets was written. SWA state rides along where SGLang sends it across TP
     sizes (0.5.23, ``soak.carries_state``); up to 0.5.12.x stock and ``-ext`` both refuse it
@@ -103,7 +107,7 @@ def test_nixl_ext_soak_over_ranks(p, d):
     the heterogeneous-TP differential is F4's (test_nixl_ext.py)."""
     cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 16, seed=11,
                           prefill_tp=p, decode_tp=d, state=soak.carries_state("nixl", p, d))
-    scn = soak.make_scenario(cfg, name=f"soak-nixl-ext-tp{p}-tp{d}")
+    scn = soak.make_scenario(cfg, name=f"soak-nixl-ext-tp{p}-tp{d}", engine="nixl")
     res = run_scenario(scn, "nixl-ext", extra_env=soak.soak_env("nixl-ext"))
     s = soak.judge(scn, res)
     assert s["passed"], soak.format_summaries([s])
@@ -159,8 +163,3 @@ def test_decode_is_told_of_a_failed_nixl_post():
         assert "prefill rank 0 (" in rr.decode_failure_reason and "failed the transfer" in rr.decode_failure_reason, (
             rr.decode_failure_reason)
         assert "timed out" not in rr.decode_failure_reason, rr.decode_failure_reason
-
-
-def test_multi_rank_soak_refuses_engine_faults():
-    with pytest.raises(ValueError, match="one rank a side"):
-        soak.run_soak("nixl", soak.SoakConfig(requests=8, wave=4, fault_rate=0.5, prefill_tp=2))

@@ -95,9 +95,13 @@ def test_multi_rank_soak_config():
     bare = soak.make_scenario(soak.SoakConfig(requests=8, wave=4, fault_rate=0.0, prefill_tp=1, decode_tp=2,
                                               state=False))
     assert bare.state_pools == [] and all(r.state == [] for r in bare.requests)
-    # Dropped writes size a decode page from prefill's: one rank a side only.
+    # Dropped writes size a decode page from prefill's: one rank a side only; NIXL's
+    # failed posts are counted per prefill rank and run with several.
     with pytest.raises(ValueError, match="dropped writes need one rank a side"):
         soak.make_scenario(soak.SoakConfig(requests=8, wave=4, fault_rate=0.1, prefill_tp=2))
+    posts = soak.make_scenario(soak.SoakConfig(requests=8, wave=4, fault_rate=0.1, prefill_tp=2), engine="nixl")
+    posts.validate()
+    assert posts.fail_every_nth_post == 10 and posts.dropped_kv_pages == []
 
 
 def test_multi_rank_waves_refuse_restart_and_dropped_pages():
@@ -108,6 +112,17 @@ def test_multi_rank_waves_refuse_restart_and_dropped_pages():
         Scenario("r", restart_decode_in_wave=1, **base).validate()
     with pytest.raises(ScenarioError, match="need one rank a side"):
         Scenario("d", dropped_kv_pages=[7], **base).validate()
+    Scenario("p", fail_every_nth_post=4, **base).validate()  # failed posts: each prefill rank counts its own
+
+
+def test_prefill_ranks_fault_reports_are_summed():
+    from sglang_disagg_ext.selftest.harness.run import _merge_fault_reports
+
+    a = {"fail_every": 8, "engine_calls_failed": 3, "engine_calls_passed": 21}
+    b = {"fail_every": 8, "engine_calls_failed": 2, "engine_calls_passed": 17}
+    assert _merge_fault_reports([a, None, b]) == {"fail_every": 8, "engine_calls_failed": 5,
+                                                  "engine_calls_passed": 38}
+    assert _merge_fault_reports([None, None]) is None
 
 
 def _rr(**kw):

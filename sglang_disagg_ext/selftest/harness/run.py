@@ -491,6 +491,18 @@ def _combine(statuses: List[Optional[str]]) -> Optional[str]:
     return next((s for s in statuses if s not in FINAL), None)
 
 
+def _merge_fault_reports(reports: List[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The prefill ranks' engine-fault reports as one: calls failed and passed summed
+    (each rank counts its own), the rest from the first rank that has one."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    merged = dict(reports[0])
+    for key in ("engine_calls_failed", "engine_calls_passed"):
+        merged[key] = sum(r.get(key, 0) for r in reports)
+    return merged
+
+
 def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict[str, Any]) -> None:
     names = rank_names(scn)
     multi = scn.multi_rank
@@ -537,7 +549,7 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.sglang_ranks = {name: side[name].get("sglang_ranks", {}) for name in names}
     result.waves.update({name: side[name]["waves"] for name in names if "waves" in side[name]})
     result.threads_died.update({name: side[name]["threads_died"] for name in names if "threads_died" in side[name]})
-    result.dropped_writes = p0.get("dropped_writes")
+    result.dropped_writes = _merge_fault_reports([side[n].get("dropped_writes") for n in prefills])
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])

@@ -193,8 +193,9 @@ class Scenario:
     # Decode KV pages whose writes prefill's transfer engine fails, as a link that
     # drops them would (``harness.faults.drop_engine_writes``); empty: no fault.
     dropped_kv_pages: List[int] = dataclasses.field(default_factory=list)
-    # NIXL: prefill's agent fails every n-th transfer it posts (``harness.faults.fail_nixl_posts``),
-    # in every wave but the last and the one whose decode is killed; 0: no fault.
+    # NIXL: prefill's agent fails every n-th transfer it posts (``harness.faults.fail_nixl_posts``;
+    # each prefill rank counts its own posts), in every wave but the last and the one whose
+    # decode is killed; 0: no fault.
     fail_every_nth_post: int = 0
     # Wave runs: the decode worker kills itself (SIGKILL) in this wave, after sending
     # the metadata of half its requests, and the harness starts a new decode process
@@ -248,10 +249,10 @@ class Scenario:
         if n and self.dropped_kv_pages:
             raise ScenarioError(f"{self.name}: fail_every_nth_post (NIXL) and dropped_kv_pages (Mooncake) exclude "
                                 f"each other")
-        if self.multi_rank and (self.dropped_kv_pages or n or self.restart_decode_in_wave is not None):
+        if self.multi_rank and (self.dropped_kv_pages or self.restart_decode_in_wave is not None):
             # harness.faults sizes a decode page from prefill's (equal TP); the restart
             # replaces the one decode process of a 1x1 run.
-            raise ScenarioError(f"{self.name}: engine faults and restart_decode_in_wave need one rank a side "
+            raise ScenarioError(f"{self.name}: dropped_kv_pages and restart_decode_in_wave need one rank a side "
                                 f"(prefill_tp {self.prefill_tp}, decode_tp {self.decode_tp})")
         if self.wave > 1 and self.aux_rows < self.wave:
             raise ScenarioError(f"{self.name}: wave {self.wave} needs at least as many aux rows ({self.aux_rows})")
