@@ -668,7 +668,7 @@ class Worker:
                 self.result["requests"].append(rec)
                 recs.append(rec)
             wave = {"wave": w, "requests": len(indices)}
-            if isinstance(getattr(self, "dropped", None), faults_failed_posts()):
+            if self.role == "prefill" and self.scn.fail_every_nth_post:
                 # The last wave shows the workers still serve; the killed wave's requests
                 # are lost with their decode whatever happens: no fault in either.
                 self.dropped.active = w not in (len(self.scn.waves()) - 1, self.scn.restart_decode_in_wave)
@@ -924,12 +924,6 @@ class _Pool:
 
 
 @functools.lru_cache(maxsize=None)
-def faults_failed_posts():
-    from sglang_disagg_ext.selftest.harness.faults import FailedPosts
-
-    return FailedPosts
-
-
 def _load_hook(env: str):
     """The ``<file.py>:<function>`` hook named by ``$env``, loaded once per process (None when unset)."""
     spec = os.environ.get(env)
