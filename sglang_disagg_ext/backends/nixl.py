@@ -44,6 +44,16 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   decode publishes nothing: its rooms run unchecked, as stock, named once.
   State indices are not checked here (these releases register state as one
   flat buffer list; no per-component bound).
+* **Every prefill rank concludes** (found by the soak, issue 19): every prefill
+  rank feeding a decode rank writes the same aux row, and stock decode completes
+  a room on the first ``<room>_aux`` notification, so one rank's row could end
+  the room Success on decode while another rank's post of it failed and that
+  rank failed it on prefill (a split; 12 of 512 on 0.5.12.post1 at TP 2 -> 1),
+  and one rank's failure notice could free pages another rank still wrote into.
+  The ``-ext`` decode gates aux and failure notifications per room
+  (``core.nixl_quorum.RoomQuorum``, in ``ExtNixlAgent.get_new_notifs``): aux is
+  released once every prefill rank SGLang expects for the room sent one, a
+  failure once every such rank concluded or after a 5 s grace.
 * **Bootstrap deadline** (also found by the soak): stock's NIXL sender has none
   on these releases, so a room whose decode died before sending its metadata
   stays Bootstrapping, its KV pinned, for ever. The ``-ext`` sender fails it
@@ -83,7 +93,8 @@ from sglang_disagg_ext.core.head_slice import (
 )
 from sglang_disagg_ext.backends.shared import note_peer_bounds
 from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, check_destination, encode_frame
-from sglang_disagg_ext.core.nixl_notif import failure_tag, parse_failure_tag, with_sender_id
+from sglang_disagg_ext.core.nixl_notif import aux_room, failure_tag, parse_failure_tag, with_sender_id
+from sglang_disagg_ext.core.nixl_quorum import AUX, RoomQuorum
 from sglang_disagg_ext.releases import ReleasePolicy
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
@@ -183,8 +194,10 @@ class ExtNixlAgent:
     * Prefill: every notification tag leaving the process gets this rank's
       sender id (``with_sender_id``); ``send_notif`` returns a handle that
       ``check_xfer_state`` reports as done.
-    * Decode: ``<room>_fail_...`` notifications are taken out of
-      ``get_new_notifs`` and handed to the manager.
+    * Decode: aux and ``<room>_fail_...`` notifications go through the
+      manager's ``RoomQuorum`` (``_ext_gate_notifs``): a room's aux is
+      released once every prefill rank it expects sent one, a failure once
+      every such rank concluded (or after a grace).
     Everything else is the wrapped agent's own attribute.
     """
 
@@ -266,20 +279,9 @@ class ExtNixlAgent:
     # -- notifications (decode) ------------------------------------------------------
     def get_new_notifs(self, *args, **kwargs):
         notifs = self._agent.get_new_notifs(*args, **kwargs)
-        if self._mgr._ext_is_prefill or not notifs:
+        if self._mgr._ext_is_prefill:
             return notifs
-        out = {}
-        for peer, messages in notifs.items():
-            kept = []
-            for msg in messages:
-                notice = parse_failure_tag(msg)
-                if notice is None:
-                    kept.append(msg)
-                else:
-                    self._mgr._ext_on_failure_notice(peer, notice)
-            if kept:
-                out[peer] = kept
-        return out
+        return self._mgr._ext_gate_notifs(notifs or {})
 
 
 def _host_device_ids(descs):
@@ -327,6 +329,9 @@ class NixlExtKVManager(NixlKVManager):
         # thread, read by the scheduler thread (single dict operations).
         self._ext_peer_bounds: Dict[str, object] = {}
         self._ext_unchecked_peers: set = set()
+        # Decode: aux and failure notifications held per room until every prefill rank
+        # of the room concluded (core.nixl_quorum).
+        self._ext_quorum = RoomQuorum()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         activation_log.announce(type(self).__name__)
 
@@ -707,6 +712,9 @@ class NixlExtKVManager(NixlKVManager):
         """
         super().record_failure(bootstrap_room, failure_reason)
         if not getattr(self, "_ext_is_prefill", False):
+            quorum = getattr(self, "_ext_quorum", None)
+            if quorum is not None:
+                quorum.forget(bootstrap_room)
             return
         with self._ext_lock:
             self._ext_failed_rooms[bootstrap_room] = str(failure_reason)
@@ -726,6 +734,39 @@ class NixlExtKVManager(NixlKVManager):
                 self.agent._agent.send_notif(agent_name, tag)
             except Exception as exc:  # noqa: BLE001 - decode then ends by its own timeout
                 logger.warning("nixl-ext: could not tell decode %s that room %s failed: %s", agent_name, room, exc)
+
+    def _ext_gate_notifs(self, notifs: Dict[str, list]) -> Dict[str, list]:
+        """Decode: ``notifs`` (agent name -> messages) with aux and failure notices gated by room.
+
+        Called from ``ExtNixlAgent.get_new_notifs``, i.e. from stock's
+        ``update_transfer_status`` on every receiver poll, so held failures past
+        their grace are released here too. Every other message passes unchanged.
+        """
+        out: Dict[str, list] = {}
+        released = []
+        for peer, messages in notifs.items():
+            for msg in messages:
+                notice = parse_failure_tag(msg)
+                if notice is not None:
+                    released += self._ext_quorum.offer_failure(notice.room, peer, notice, self._ext_required(notice.room))
+                    continue
+                room = aux_room(msg)
+                if room is not None:
+                    released += self._ext_quorum.offer_aux(room, peer, msg, self._ext_required(room))
+                    continue
+                out.setdefault(peer, []).append(msg)
+        released += self._ext_quorum.expired()
+        for kind, peer, item in released:
+            if kind == AUX:
+                out.setdefault(peer, []).append(item)
+            else:
+                self._ext_on_failure_notice(peer, item)
+        return out
+
+    def _ext_required(self, room: int) -> int:
+        """Prefill ranks that answer ``room`` on this decode rank (SGLang's own count; 1 if unknown)."""
+        table = getattr(self, "required_prefill_response_num_table", None) or {}
+        return int(table.get(room, 1) or 1)
 
     def _ext_on_failure_notice(self, peer: str, notice) -> None:
         """Decode: a prefill rank reported ``notice.room`` as failed."""

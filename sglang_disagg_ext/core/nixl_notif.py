@@ -28,7 +28,7 @@ ext decode marks the room Failed at once instead of waiting for its timeout.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Union
 
 from sglang_disagg_ext.core.head_slice import notification_sender_id
 
@@ -91,6 +91,23 @@ def with_sender_id(tag: Tag, pp_rank: int, engine_rank: int) -> Tag:
     return _like(tag, "_".join(parts))
 
 
+def _fields(tag: Tag, maxsplit: int, kind: str) -> Optional[List[str]]:
+    """``tag`` split on "_" if it is ASCII, of ``kind`` (field 1) and names a room; else ``None``."""
+    try:
+        parts = _text(tag).split("_", maxsplit)
+    except UnicodeDecodeError:
+        return None
+    if len(parts) < 2 or parts[1] != kind or not _room_ok(parts[0]):
+        return None
+    return parts
+
+
+def aux_room(tag: Tag) -> Optional[int]:
+    """The room of an aux notification (``<room>_aux`` or ``<room>_aux_nokv_<S>``), else ``None``."""
+    parts = _fields(tag, 2, "aux")
+    return None if parts is None else int(parts[0])
+
+
 class FailureNotice(NamedTuple):
     room: int
     sender_id: int
@@ -112,13 +129,7 @@ def failure_tag(room: int, pp_rank: int, engine_rank: int, reason: str) -> str:
 
 def parse_failure_tag(tag: Tag) -> Optional[FailureNotice]:
     """The failure notice in ``tag``, or ``None`` if it is any other tag."""
-    try:
-        text = _text(tag)
-    except UnicodeDecodeError:
-        return None
-    parts = text.split("_", 3)
-    if len(parts) < 3 or parts[1] != FAIL_KIND:
-        return None
-    if not (_room_ok(parts[0]) and _room_ok(parts[2])):
+    parts = _fields(tag, 3, FAIL_KIND)
+    if parts is None or len(parts) < 3 or not _room_ok(parts[2]):
         return None
     return FailureNotice(int(parts[0]), int(parts[2]), parts[3] if len(parts) > 3 else "")

@@ -227,8 +227,8 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     # reason, in a wave where posts were failed, counts against the posts failed; any
     # beyond that many are collateral failures.
     n_waves = len(scn.waves())
-    post_fault_waves = ({w for w in range(n_waves)} - {n_waves - 1, k}) if scn.fail_every_nth_post else set()
-    posts_failed = (res.dropped_writes or {}).get("engine_calls_failed", 0) if scn.fail_every_nth_post else 0
+    post_fault_waves = ({w for w in range(n_waves)} - {n_waves - 1, k}) if scn.fails_posts else set()
+    posts_failed = (res.dropped_writes or {}).get("engine_calls_failed", 0) if scn.fails_posts else 0
     wave_of = {i: w for w, idx in enumerate(scn.waves()) for i in idx}
     for req, rr in zip(scn.requests, res.requests):
         o = outcome(req, rr, rr.index in killed)

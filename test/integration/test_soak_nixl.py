@@ -32,6 +32,8 @@ WaitingForInput, their transfer to the dead decode never concluding); ``-ext`` e
 room of the killed wave within the bound and serves the new decode.
 """
 
+import dataclasses
+
 import pytest
 
 from sglang_disagg_ext import releases
@@ -95,26 +97,28 @@ def test_dead_decode_rooms_stock_stay_bootstrapping_ext_fail_in_bound():
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-tp1", "tp1-tp2"])
 def test_nixl_ext_soak_over_ranks(p, d):
     """The soak with P prefill and D decode rank processes (heterogeneous TP, 2 KV heads: one
-    a rank at TP 2): 64 requests, 32 in flight, one in 16 with an out-of-pool decode KV index.
-    No failed posts here: with two prefill ranks a failed post can leave decode Success while
-    the rank that saw ERR fails the room (measured on 0.5.12.post1: 12 of 512; it fits a failed
-    aux post, decode completing on the other rank's identical row), a split the ``-ext``
-    classes do not prevent yet (README, soak section).
+    a rank at TP 2): 64 requests, 32 in flight, one in 16 with an out-of-pool decode KV index,
+    each prefill rank failing 1 in 16 of the transfers it posts in the first wave. Each failed
+    request ends Failed on both sides: with two prefill ranks that needs decode to wait for
+    every rank's aux row (``core.nixl_quorum``; before it, 0.5.12.post1 split 12 of 512: one
+    rank's row completed the room on decode while the other rank's post of it failed,
+    test_decode_waits_for_every_prefill_ranks_aux_row).
     Every decode rank checks every element of the heads it holds and that no page outside
     the wave's targets was written. SWA state rides along where SGLang sends it across TP
     sizes (0.5.23, ``soak.carries_state``); up to 0.5.12.x stock and ``-ext`` both refuse it
     per request (issue 15), so there the requests carry KV and aux only. No stock assertion:
     the heterogeneous-TP differential is F4's (test_nixl_ext.py)."""
-    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 16, seed=11,
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=1 / 16, bad_rate=1 / 16, seed=11,
                           prefill_tp=p, decode_tp=d, state=soak.carries_state("nixl", p, d))
     scn = soak.make_scenario(cfg, name=f"soak-nixl-ext-tp{p}-tp{d}", engine="nixl")
     res = run_scenario(scn, "nixl-ext", extra_env=soak.soak_env("nixl-ext"))
     s = soak.judge(scn, res)
     assert s["passed"], soak.format_summaries([s])
-    assert (s["prefill_tp"], s["decode_tp"]) == (p, d)
+    assert (s["prefill_tp"], s["decode_tp"]) == (p, d) and s["engine_calls_failed"] > 0
     bad = [i for i, r in enumerate(scn.requests) if r.fault == "bad_index"]
     assert bad and s["outcomes"]["failed_as_faulted"] == len(bad)
-    assert s["outcomes"]["ok"] == cfg.requests - len(bad) and not s["stray_writes"]
+    assert s["outcomes"]["ok"] + s["outcomes"]["failed_on_failed_post"] == cfg.requests - len(bad)
+    assert not s["stray_writes"]
     # Every rank of each side took part in every request.
     for rr in res.requests:
         assert sorted(rr.rank_status) == [f"decode{r}" for r in range(d)] + [f"prefill{r}" for r in range(p)], rr
@@ -173,3 +177,49 @@ def test_decode_is_told_of_a_failed_nixl_post(backend):
     # Every other request Success with every byte right, no page outside the wave's targets written.
     s = soak.judge(scn, res)
     assert s["outcomes"]["ok"] == cfg.requests - len(failed) and not s["stray_writes"], soak.format_summaries([s])
+
+
+@pytest.mark.skipif(not _f4_classes_routed(), reason=f"n/a on SGLang {POLICY.version}: nixl-ext is not F4's "
+                    "classes here (0.5.23 decode completes on status messages, not on the aux notification)")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["nixl", "nixl-ext"])
+def test_decode_waits_for_every_prefill_ranks_aux_row(backend):
+    """Prefill TP 2 -> decode TP 1, two waves of 16. In the first, prefill rank 1's agent
+    fails every aux row it posts (``harness.faults.fail_nixl_posts(mgr, 1, kind="aux")``:
+    nothing moves; the handle reads PROC for 0.5 s, then ERR, as a loss seen late); rank
+    0's aux rows and both ranks' KV land. The second wave is clean.
+
+    Every prefill rank writes the same aux row, and stock decode marks a room's aux
+    received on the first ``<room>_aux`` notification (0.5.10.post1 nixl/conn.py:839-840,
+    0.5.11 :1022-1023, 0.5.12.post1 :1670), so rank 0's row completes the room on decode
+    while rank 1 fails it on prefill: a split, found by the soak on 0.5.12.post1 (12 of
+    512). ``nixl-ext``'s decode releases a room's aux notifications once every prefill
+    rank it expects (SGLang's ``required_prefill_response_num``) has sent one, so the
+    room waits for rank 1, which tells decode it failed: Failed on both sides, the reason
+    naming prefill rank 1. Stock, where its TP 2 -> 1 completes at all (KV tags keyed on
+    the TP rank, ``stock_nixl_kv_tag_sender_field == "engine_rank"``: 0.5.12.x): every
+    faulted room splits. Up to 0.5.11 stock decode never completes TP 2 -> 1 (F4's key),
+    so there is no stock run to compare."""
+    if backend == "nixl" and releases.features().stock_nixl_kv_tag_sender_field != "engine_rank":
+        pytest.skip(f"n/a on SGLang {POLICY.version}: stock NIXL decode never completes TP 2 -> 1 here "
+                    "(F4's notification key, test_nixl_ext.py), so the aux split cannot show")
+    cfg = soak.SoakConfig(requests=32, wave=16, fault_rate=0.0, bad_rate=0.0, seed=5, prefill_tp=2, decode_tp=1,
+                          state=False)
+    scn = dataclasses.replace(soak.make_scenario(cfg, name=f"aux-rank1-{backend}", engine="nixl"),
+                              fail_aux_posts_of_prefill_rank=1, failed_post_err_after_s=0.5)
+    res = run_scenario(scn, backend, extra_env=soak.soak_env(backend))
+    assert res.dropped_writes and res.dropped_writes.get("fail_kind") == "aux", res.dropped_writes
+    assert res.dropped_writes["engine_calls_failed"] == 16, res.dropped_writes  # wave 0's rows on rank 1
+    first, second = res.requests[:16], res.requests[16:]
+    for rr in second:  # clean wave: every byte right on both ranks' heads
+        assert rr.ok and rr.bytes_verified and not rr.mismatches, res.describe()
+    if backend == "nixl":
+        split = [rr for rr in first if rr.prefill_status == "Failed" and rr.decode_status == "Success"]
+        assert split, res.describe()
+        return
+    for rr in first:
+        assert (rr.prefill_status, rr.decode_status) == ("Failed", "Failed"), res.describe()
+        assert "prefill rank 1 (" in (rr.decode_failure_reason or ""), rr.decode_failure_reason
+        assert "timed out" not in rr.decode_failure_reason, rr.decode_failure_reason
+    s = soak.judge(scn, res)
+    assert s["outcomes"]["ok"] == 16 and not s["stray_writes"], soak.format_summaries([s])

@@ -22,6 +22,7 @@ import sglang_disagg_ext.backends.nixl as nixl_ext  # noqa: E402
 
 from sglang_disagg_ext.core.head_slice import HeadLayoutError  # noqa: E402
 from sglang_disagg_ext.core.nixl_notif import failure_tag, with_sender_id  # noqa: E402
+from sglang_disagg_ext.core.nixl_quorum import RoomQuorum  # noqa: E402
 
 ROOM = 4242
 
@@ -98,23 +99,61 @@ def test_stock_decode_ignores_failure_tags():
     assert not mgr.check_transfer_done(ROOM)
 
 
-@active_only
-def test_ext_decode_turns_failure_tag_into_failed():
-    recorded = {}
+def ext_decode(tags, required=2):
+    """An ext NixlExtKVManager (decode side) with only what stock's update_transfer_status reads."""
     mgr = object.__new__(nixl_ext.NixlExtKVManager)
     mgr._ext_is_prefill = False
+    mgr._ext_quorum = RoomQuorum()
     mgr.transfer_statuses = defaultdict(conn.TransferStatus)
-    mgr.required_prefill_response_num_table = {ROOM: 2}
+    mgr.required_prefill_response_num_table = {ROOM: required}
     mgr.enable_staging = False
     mgr._staging_handler = None
-    mgr.failure_records = recorded
+    mgr.failure_records = {}
     mgr.failure_lock = __import__("threading").Lock()
-    tags = {"a": prefill_tags(0)[:1] + [failure_tag(ROOM, 0, 1, "State index length mismatch").encode()]}
     mgr.agent = nixl_ext.ExtNixlAgent(FakeAgent(tags), mgr)
+    return mgr
+
+
+@active_only
+def test_ext_decode_turns_failure_tag_into_failed():
+    # Rank 0 concluded (all its tags, aux included); rank 1 gave up: Failed at once.
+    fail = failure_tag(ROOM, 0, 1, "State index length mismatch").encode()
+    mgr = ext_decode({"a": prefill_tags(0), "b": prefill_tags(1)[:1] + [fail]})
     mgr.update_transfer_status()
     assert mgr.check_transfer_done(ROOM)
     assert mgr.transfer_statuses[ROOM].is_failed()
-    assert "State index length mismatch" in recorded[ROOM]
+    assert "State index length mismatch" in mgr.failure_records[ROOM]
+
+
+@active_only
+def test_ext_decode_waits_for_every_ranks_aux_row():
+    # Stock completes on the first aux (rank 0's), though rank 1's row has not landed.
+    tags = {"a": prefill_tags(0), "b": prefill_tags(1)[:2]}
+    stock = stock_decode(FakeAgent(dict(tags)))
+    stock.update_transfer_status()
+    assert stock.check_transfer_done(ROOM) and not stock.transfer_statuses[ROOM].is_failed()
+    mgr = ext_decode(dict(tags))
+    mgr.update_transfer_status()
+    assert not mgr.check_transfer_done(ROOM)
+    # Rank 1's aux post fails: rank 1 says so, and the room ends Failed, not Success.
+    mgr.agent._agent.notifs = {"b": [failure_tag(ROOM, 0, 1, "NIXL transfer encountered ERR").encode()]}
+    mgr.update_transfer_status()
+    assert mgr.check_transfer_done(ROOM) and mgr.transfer_statuses[ROOM].is_failed()
+    # Had rank 1's aux landed instead, the room completes.
+    ok = ext_decode({"a": prefill_tags(0), "b": prefill_tags(1)})
+    ok.update_transfer_status()
+    assert ok.check_transfer_done(ROOM) and not ok.transfer_statuses[ROOM].is_failed()
+
+
+@active_only
+def test_ext_decode_holds_a_failure_while_another_rank_still_writes():
+    fail = failure_tag(ROOM, 0, 1, "ERR").encode()
+    mgr = ext_decode({"b": [fail]})
+    mgr.update_transfer_status()
+    assert not mgr.check_transfer_done(ROOM)  # rank 0 has not concluded: its writes may be in flight
+    mgr.agent._agent.notifs = {"a": prefill_tags(0)}
+    mgr.update_transfer_status()
+    assert mgr.check_transfer_done(ROOM) and mgr.transfer_statuses[ROOM].is_failed()
 
 
 def prefill_mgr(tp, per_rank, total):

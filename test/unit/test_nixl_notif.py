@@ -8,6 +8,7 @@ and ``_do_staging_transfer``); sender id = pp_rank * 65536 + engine_rank.
 import pytest
 
 from sglang_disagg_ext.core.nixl_notif import (
+    aux_room,
     FailureNotice,
     failure_tag,
     parse_failure_tag,
@@ -68,3 +69,11 @@ def test_parse_failure_tag_ignores_other_tags(tag):
 def test_failure_tag_rejects_bad_room():
     with pytest.raises(ValueError):
         failure_tag(-1, 0, 0, "r")
+
+
+@pytest.mark.parametrize("tag,room", [
+    (b"17_aux", 17), ("17_aux", 17), (b"17_aux_nokv_1", 17), (b"17_aux_3", 17),
+    (b"17_kv_0_1_0", None), (b"17_fail_0_x", None), (b"x_aux", None), (b"aux", None), (b"\xff_aux", None),
+])
+def test_aux_room(tag, room):
+    assert aux_room(tag) == room

@@ -4,6 +4,7 @@ the dropped-write fault's address test. No SGLang, no engine.
 Expected values are worked out by hand from the inputs written here.
 """
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -395,3 +396,37 @@ def test_soak_main_refuses_what_it_cannot_run(capsys):
     err = capsys.readouterr().err
     assert "one backend" in err and "TCP with CPU pools" in err and "wave >= 2" in err
     assert "several ranks a side runs NIXL only" in err
+
+
+def test_failed_posts_of_one_kind_and_late_err():
+    # kind="aux": only handles made with an aux tag count; every=1 fails each of them.
+    agent = SimpleNamespace(posted=[])
+    agent.initialize_xfer = lambda op, src, dst, peer, notif=b"", *a: SimpleNamespace(tag=notif)
+    agent.transfer = lambda handle, *a: agent.posted.append(handle) or "PROC"
+    agent.check_xfer_state = lambda handle: "DONE"
+    state = faults.fail_nixl_posts(SimpleNamespace(agent=agent), 1, kind="aux", err_after_s=0.2)
+    kv = agent.initialize_xfer("WRITE", [], [], "d", b"5_kv_0_1_0")
+    aux = agent.initialize_xfer("WRITE", [], [], "d", b"5_aux")
+    nokv = agent.initialize_xfer("WRITE", [], [], "d", b"6_aux_nokv_0")
+    for h in (kv, aux, nokv):
+        agent.transfer(h)
+    assert agent.posted == [kv]
+    assert [agent.check_xfer_state(h) for h in (kv, aux, nokv)] == ["DONE", "PROC", "PROC"]  # loss seen late
+    time.sleep(0.25)
+    assert [agent.check_xfer_state(h) for h in (kv, aux, nokv)] == ["DONE", "ERR", "ERR"]
+    assert state.report() == {"fail_every": 1, "engine_calls_failed": 2, "engine_calls_passed": 0,
+                              "fail_kind": "aux"}
+
+
+def test_aux_post_fault_validation():
+    base = dict(requests=[RequestSpec([1], [1])], prefill_tp=2)
+    Scenario("a", fail_aux_posts_of_prefill_rank=1, **base).validate()
+    for bad in (2, -1, True):
+        with pytest.raises(ScenarioError, match="fail_aux_posts_of_prefill_rank"):
+            Scenario("a", fail_aux_posts_of_prefill_rank=bad, **base).validate()
+    with pytest.raises(ScenarioError, match="fail_aux_posts_of_prefill_rank"):
+        Scenario("a", fail_aux_posts_of_prefill_rank=0, fail_every_nth_post=4, **base).validate()
+    with pytest.raises(ScenarioError, match="failed_post_err_after_s"):
+        Scenario("a", failed_post_err_after_s=-0.1, **base).validate()
+    assert Scenario("a", fail_aux_posts_of_prefill_rank=0, **base).fails_posts
+    assert not Scenario("a", **base).fails_posts

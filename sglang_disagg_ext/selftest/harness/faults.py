@@ -15,7 +15,8 @@ code. Rig only: the runtime never imports this.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List, Tuple
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -115,12 +116,23 @@ def drop_engine_writes(mgr, kv_pages: Iterable[int]) -> DroppedWrites:
 
 
 class FailedPosts:
-    """The NIXL wrapper's state: which posts it failed, and how many it let through."""
+    """The NIXL wrapper's state: which posts it failed, and how many it let through.
 
-    def __init__(self, every: int):
-        if every < 2:
-            raise ValueError(f"fail every n-th NIXL post needs n >= 2, got {every}")
+    ``kind``: count only posts whose notification tag is of that kind (``"aux"``:
+    ``<room>_aux...``, the row every prefill rank writes); then ``every`` may be 1
+    (every such post fails). Posts of other kinds pass and are not counted.
+    """
+
+    def __init__(self, every: int, kind: Optional[str] = None, err_after_s: float = 0.0):
+        if every < (1 if kind else 2):
+            raise ValueError(f"fail every n-th NIXL post needs n >= 2 (>= 1 with a kind), got {every}")
         self.every = every
+        self.kind = kind
+        # A failed post reads "PROC" this long before "ERR" (a link's loss is seen late).
+        self.err_after_s = float(err_after_s)
+        self.failed_at: Dict[int, float] = {}
+        # id -> notification kind of each handle ``initialize_xfer`` made (kind runs only).
+        self.handle_kinds: Dict[int, Tuple[object, str]] = {}
         self.active = True  # the worker turns it off for the soak's fault-free waves
         # id -> the handle itself: holding it keeps its id from being reused by a later
         # handle (which would then read "ERR" without having been failed).
@@ -129,13 +141,29 @@ class FailedPosts:
         self.calls_passed = 0
         self._lock = threading.Lock()
 
+    def note_kind(self, handle, notif_msg) -> None:
+        """Remember the notification kind ``handle`` was made with (field 1 of its tag)."""
+        try:
+            text = bytes(notif_msg).decode("ascii") if isinstance(notif_msg, (bytes, bytearray)) else str(notif_msg)
+        except UnicodeDecodeError:
+            return
+        parts = text.split("_")
+        if len(parts) > 1:
+            with self._lock:
+                self.handle_kinds[id(handle)] = (handle, parts[1])
+
     def take(self, handle) -> bool:
         """Count one post of ``handle``; True when this one is to fail."""
         with self._lock:
+            if self.kind is not None:
+                held = self.handle_kinds.get(id(handle))
+                if held is None or held[0] is not handle or held[1] != self.kind:
+                    return False
             n = self.calls_failed + self.calls_passed + 1
             if n % self.every == 0:
                 self.calls_failed += 1
                 self.failed_handles[id(handle)] = handle
+                self.failed_at[id(handle)] = time.monotonic()
                 return True
             self.calls_passed += 1
             return False
@@ -144,25 +172,48 @@ class FailedPosts:
         with self._lock:
             return self.failed_handles.get(id(handle)) is handle
 
+    def state_of_failed(self, handle) -> str:
+        """What ``check_xfer_state`` says for a failed ``handle``: "PROC", then "ERR"."""
+        with self._lock:
+            late = time.monotonic() - self.failed_at.get(id(handle), 0.0) < self.err_after_s
+        return "PROC" if late else "ERR"
+
 
     def report(self) -> Dict[str, int]:
-        return {"fail_every": self.every, "engine_calls_failed": self.calls_failed,
-                "engine_calls_passed": self.calls_passed}
+        out = {"fail_every": self.every, "engine_calls_failed": self.calls_failed,
+               "engine_calls_passed": self.calls_passed}
+        if self.kind is not None:
+            out["fail_kind"] = self.kind
+        return out
 
 
-def fail_nixl_posts(mgr, every: int) -> FailedPosts:
+def fail_nixl_posts(mgr, every: int, kind: Optional[str] = None, err_after_s: float = 0.0) -> FailedPosts:
     """Fail every ``every``-th transfer ``mgr``'s NIXL agent posts (``agent.transfer``).
 
     A failed post moves nothing and returns "PROC" (posted, in flight), and from then
     on ``check_xfer_state`` reports "ERR" for that handle, what NIXL reports for a
     write the network lost; every other call goes to the agent unchanged. Wrapped on
     the one agent object the manager holds (stock's ``nixl_agent`` or ``nixl-ext``'s
-    proxy around it), so what the manager does with the error is its own code. Notification-only handles (``send_notif``) are
-    not posts and are never failed.
+    proxy around it), so what the manager does with the error is its own code.
+    Notification-only handles (``send_notif``) are not posts and are never failed.
+    With ``kind`` only posts whose notification tag is of that kind are counted
+    (``FailedPosts``): ``every=1, kind="aux"`` fails every aux row this rank posts.
+    ``err_after_s``: a failed handle reads "PROC" for that long, then "ERR".
     """
-    state = FailedPosts(every)
+    state = FailedPosts(every, kind, err_after_s)
     agent = mgr.agent
     transfer, check = agent.transfer, agent.check_xfer_state
+    if kind is not None:
+        # The kind is read from the tag a handle was made with: every supported release
+        # builds its aux (and KV/state) handles with ``initialize_xfer(..., notif_msg)``.
+        initialize = agent.initialize_xfer
+
+        def initialize_xfer(operation, local_descs, remote_descs, remote_agent, notif_msg=b"", *args, **kwargs):
+            handle = initialize(operation, local_descs, remote_descs, remote_agent, notif_msg, *args, **kwargs)
+            state.note_kind(handle, notif_msg)
+            return handle
+
+        agent.initialize_xfer = initialize_xfer
 
     def transfer_(handle, *args, **kwargs):
         # nixl-ext's notification-only handles (send_notif) are not posts.
@@ -172,7 +223,7 @@ def fail_nixl_posts(mgr, every: int) -> FailedPosts:
 
     def check_xfer_state(handle):
         if state.failed(handle):
-            return "ERR"
+            return state.state_of_failed(handle)
         return check(handle)
 
     agent.transfer = transfer_

@@ -197,10 +197,21 @@ class Scenario:
     # each prefill rank counts its own posts), in every wave but the last and the one whose
     # decode is killed; 0: no fault.
     fail_every_nth_post: int = 0
+    # NIXL, several prefill ranks: this prefill rank's agent fails every aux row it posts
+    # (``fail_nixl_posts(mgr, 1, kind="aux")``), in the same waves; the other ranks post
+    # theirs. None: no fault.
+    fail_aux_posts_of_prefill_rank: Optional[int] = None
+    # Either NIXL fault: a failed post reads "PROC" this many seconds before "ERR".
+    failed_post_err_after_s: float = 0.0
     # Wave runs: the decode worker kills itself (SIGKILL) in this wave, after sending
     # the metadata of half its requests, and the harness starts a new decode process
     # (a new engine and session, registering afresh) that serves the waves after it.
     restart_decode_in_wave: Optional[int] = None
+
+    @property
+    def fails_posts(self) -> bool:
+        """Whether some prefill rank's NIXL agent fails posts (either NIXL fault)."""
+        return bool(self.fail_every_nth_post) or self.fail_aux_posts_of_prefill_rank is not None
 
     @property
     def multi_rank(self) -> bool:
@@ -246,7 +257,15 @@ class Scenario:
         n = self.fail_every_nth_post
         if isinstance(n, bool) or not isinstance(n, int) or n == 1 or n < 0:
             raise ScenarioError(f"{self.name}: fail_every_nth_post must be 0 (off) or an int >= 2, got {n!r}")
-        if n and self.dropped_kv_pages:
+        r = self.fail_aux_posts_of_prefill_rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.prefill_tp or n):
+            raise ScenarioError(f"{self.name}: fail_aux_posts_of_prefill_rank must be a prefill rank in "
+                                f"[0, {self.prefill_tp}) and excludes fail_every_nth_post, got {r!r}")
+        e = self.failed_post_err_after_s
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < self.timeouts.request_s:
+            raise ScenarioError(f"{self.name}: failed_post_err_after_s must be in [0, {self.timeouts.request_s}) s, "
+                                f"got {e!r}")
+        if self.fails_posts and self.dropped_kv_pages:
             raise ScenarioError(f"{self.name}: fail_every_nth_post (NIXL) and dropped_kv_pages (Mooncake) exclude "
                                 f"each other")
         if self.multi_rank and (self.dropped_kv_pages or self.restart_decode_in_wave is not None):

@@ -255,7 +255,13 @@ class Worker:
             if self.scn.fail_every_nth_post:
                 from sglang_disagg_ext.selftest.harness import faults
 
-                self.dropped = faults.fail_nixl_posts(self.mgr, self.scn.fail_every_nth_post)
+                self.dropped = faults.fail_nixl_posts(self.mgr, self.scn.fail_every_nth_post,
+                                                      err_after_s=self.scn.failed_post_err_after_s)
+            elif self.scn.fail_aux_posts_of_prefill_rank == self.tp_rank:
+                from sglang_disagg_ext.selftest.harness import faults
+
+                self.dropped = faults.fail_nixl_posts(self.mgr, 1, kind="aux",
+                                                      err_after_s=self.scn.failed_post_err_after_s)
         else:
             self._run_decode_manager_hook()
         self.KVPoll = ss.kvpoll()
@@ -668,7 +674,7 @@ class Worker:
                 self.result["requests"].append(rec)
                 recs.append(rec)
             wave = {"wave": w, "requests": len(indices)}
-            if self.role == "prefill" and self.scn.fail_every_nth_post:
+            if self.role == "prefill" and self.scn.fails_posts and getattr(self, "dropped", None) is not None:
                 # The last wave shows the workers still serve; the killed wave's requests
                 # are lost with their decode whatever happens: no fault in either.
                 self.dropped.active = w not in (len(self.scn.waves()) - 1, self.scn.restart_decode_in_wave)
