@@ -107,7 +107,7 @@ FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
     "F2": "Mooncake DSv4 state routed through the generic page path",
     "F3": "MoRI per-component hybrid state (wire format, registration, dispatch)",
-    "F4": "NIXL heterogeneous TP: total-head slice with GQA replication, per-rank notification key",
+    "F4": "NIXL heterogeneous TP: total-head slice with GQA replication (KV and SWA state), per-rank notification key",
     "F5": "Retract/resume: metadata buffers copied, NSA index-key buffer offloaded and released",
     "F6": "Mooncake: a request with out-of-pool destination indices is refused before the engine; the peer session stays usable",
     "F7": "Mooncake: hybrid state buffers paired by layer (MTP/draft tail layers), refused where they cannot be paired",

@@ -11,6 +11,12 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   0.5.12.x map decode-side replicas by modulo (e.g. 2 heads, prefill TP 1 ->
   decode TP 4: decode rank 1 gets head 1 and rank 2 head 0, the other way
   round; 0.5.11 conn.py:555, 0.5.12.post1 conn.py:1003).
+* **SWA state across TP sizes** (issue 15): stock raises for non-MLA SWA state
+  whenever prefill and decode TP sizes differ, so a hybrid SWA model cannot run
+  heterogeneous TP over NIXL. An SWA window cache is attention KV (``2 *
+  layers`` paged buffers, the same heads), so ``maybe_send_extra`` sends its
+  SWA components as head slices with the KV layout (``_ext_post_head_slice``,
+  shared with ``send_kvcache_slice``); other state kinds go to stock.
 * **Notification key**: every NIXL notification this prefill rank emits
   carries ``notification_sender_id(pp_rank, engine_rank)`` in its sender
   field (``core.nixl_notif.with_sender_id``), whatever method of whatever
@@ -564,8 +570,12 @@ class NixlExtKVManager(NixlKVManager):
         with self._ext_kinds(peer_name, src_data_ptrs, dst_data_ptrs, "pages"):
             return super()._send_kvcache_generic(peer_name, src_data_ptrs, dst_data_ptrs, *args, **kwargs)
 
-    def maybe_send_extra(self, peer_name, *args, **kwargs):
-        """Stock state send, with the memory kinds of both sides' state buffers.
+    def maybe_send_extra(
+        self, peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices, dst_gpu_id, notif,
+        decode_tp_size, *args, **kwargs
+    ):
+        """Stock state send, with the memory kinds of both sides' state buffers; SWA state
+        across different TP sizes as head slices (F4's layout), where stock raises.
 
         Contract: prefill only, same thread as ``_send_kvcache_generic``: a room's
         last chunk carrying ``state_indices`` (from ``send_kv_chunk``), once per
@@ -573,14 +583,88 @@ class NixlExtKVManager(NixlKVManager):
         ``decode_kv_args_table``. Returns what stock returns (a handle or None up
         to 0.5.11, a list of handles on 0.5.12.x), all already posted. Must not
         mutate the index arguments, which every decode rank of the room shares.
+        Arguments after ``decode_tp_size`` differ per release (0.5.11+:
+        ``decode_tp_rank``, ``dst_state_item_lens``, ...) and go to stock as given.
         """
+        stock_args = (peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices, dst_gpu_id, notif,
+                      decode_tp_size) + args
         src = [p for p, _ in _flatten_state(self.kv_args)]
         if not src:
-            return super().maybe_send_extra(peer_name, *args, **kwargs)
+            return super().maybe_send_extra(*stock_args, **kwargs)
+        if not self.is_mla_backend and int(decode_tp_size) != self.attn_tp_size:
+            sliced = self._ext_send_swa_slices(
+                peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices, dst_gpu_id, notif,
+                int(decode_tp_size), args, kwargs,
+            )
+            if sliced is not None:
+                return sliced
         info = self.decode_kv_args_table.get(peer_name)
         dst = _flatten_ptrs(getattr(info, "dst_state_data_ptrs", [])) if info is not None else []
         with self._ext_kinds(peer_name, src, dst, "state"):
-            return super().maybe_send_extra(peer_name, *args, **kwargs)
+            return super().maybe_send_extra(*stock_args, **kwargs)
+
+    def _ext_send_swa_slices(
+        self, peer_name, src_indices, dst_ptrs, dst_indices, dst_gpu_id, notif, decode_tp_size, args, kwargs
+    ):
+        """SWA components of a room's state as head slices to a decode rank of another TP size.
+
+        Stock (0.5.10.post1 nixl/conn.py:701-704, 0.5.11 :866-869, 0.5.12.post1
+        :1545-1548) raises for non-MLA SWA/NSA state whenever the TP sizes differ,
+        so a hybrid SWA model cannot run prefill TP != decode TP over NIXL. An
+        SWA window cache is attention KV (``2 * layers`` buffers of pages, the
+        same heads as the KV pool), so F4's head layout places it exactly as KV.
+        Returns None when no component is SWA (stock's path, and stock's error,
+        for the rest); components of other kinds go to stock with the SWA ones
+        emptied (stock skips a component without indices). 0.5.10.post1-0.5.11
+        carry one flat component (``kv_args.state_type``), 0.5.12.x one list per
+        component (``kv_args.state_types``).
+        """
+        per_component = isinstance(getattr(self.kv_args, "state_types", None), (list, tuple))
+        if per_component:
+            kinds = [str(getattr(t, "value", t)).lower() for t in self.kv_args.state_types]
+        else:
+            kinds = [str(getattr(self.kv_args, "state_type", "none")).lower()]
+        if "swa" not in kinds:
+            return None
+        info = self.decode_kv_args_table[peer_name]
+        decode_tp_rank = kwargs.get("decode_tp_rank", args[0] if args else getattr(info, "decode_tp_rank", 0))
+        dst_lens = kwargs.get("dst_state_item_lens", args[1] if len(args) > 1 else None)
+        if dst_lens is None:
+            dst_lens = getattr(info, "dst_state_item_lens", None)
+        handles = []
+        for i, kind in enumerate(kinds):
+            if kind != "swa":
+                continue
+            def pick(x, i=i):  # this component's entry (per component) or the flat list itself
+                if x is None:
+                    return []
+                return (x[i] if i < len(x) else []) if per_component else x
+
+            src_i, dst_i = [int(v) for v in pick(src_indices)], [int(v) for v in pick(dst_indices)]
+            if not src_i:
+                continue
+            if len(src_i) != len(dst_i):
+                raise RuntimeError(
+                    f"State index length mismatch at component {i} (swa): prefill={len(src_i)}, dst={len(dst_i)}"
+                )
+            src_lens = list(pick(self.kv_args.state_item_lens))
+            dst_len = list(pick(dst_lens)) if dst_lens is not None and len(dst_lens) else None
+            handles.append(
+                self._ext_post_head_slice(
+                    peer_name, f"SWA state (component {i})", list(pick(self.kv_args.state_data_ptrs)),
+                    list(pick(dst_ptrs)), int(src_lens[0]), int(dst_len[0]) if dst_len else None,
+                    src_i, dst_i, dst_gpu_id, f"{notif}_{i}" if per_component else notif,
+                    self.attn_tp_size, decode_tp_size, int(decode_tp_rank),
+                )
+            )
+        if per_component and any(k != "swa" for k in kinds):
+            rest = [[] if k == "swa" else (src_indices[i] if i < len(src_indices) else []) for i, k in enumerate(kinds)]
+            info_dst = _flatten_ptrs(getattr(info, "dst_state_data_ptrs", []))
+            with self._ext_kinds(peer_name, [p for p, _ in _flatten_state(self.kv_args)], info_dst, "state"):
+                more = super().maybe_send_extra(peer_name, rest, dst_ptrs, dst_indices, dst_gpu_id, notif,
+                                                decode_tp_size, *args, **kwargs)
+            handles += [h for h in (more or []) if h is not None]
+        return handles if per_component else (handles[0] if handles else None)
 
     def send_kvcache_slice(
         self,
@@ -604,25 +688,41 @@ class NixlExtKVManager(NixlKVManager):
         than ``prefill_kv_indices``. Returns a posted handle (or a
         notification-only one); never writes outside those pages or heads.
         """
+        return self._ext_post_head_slice(
+            peer_name, "KV", self.kv_args.kv_data_ptrs, dst_kv_ptrs, self.kv_args.kv_item_lens[0], dst_kv_item_len,
+            prefill_kv_indices, dst_kv_indices, dst_gpu_id, notif, prefill_tp_size, decode_tp_size, decode_tp_rank,
+        )
+
+    def _ext_post_head_slice(
+        self, peer_name: str, what: str, src_ptrs, dst_ptrs, src_item_len: int, dst_item_len: Optional[int],
+        src_pages, dst_pages, dst_gpu_id: int, notif: str, prefill_tp_size: int, decode_tp_size: int,
+        decode_tp_rank: int,
+    ):
+        """Post this rank's heads of ``src_pages`` into ``dst_pages`` of a paged K/V pool pair
+        (``2 * layers`` buffers: K of each layer, then V). ``dst_item_len`` None: decode's page
+        size in bytes is derived from the head layout (0.5.10.post1 registers no state item
+        lengths). Returns the posted handle or, for a rank that sends no heads (a replica) or
+        no pages, a notification-only one: decode counts one notification per prefill rank."""
         layout = self._ext_layout(prefill_tp_size, decode_tp_size)
         head_slice = layout.head_slice(
             self.kv_args.engine_rank % prefill_tp_size, decode_tp_rank % decode_tp_size
         )
-        src_pages = np.asarray(prefill_kv_indices, dtype=np.int64)
-        dst_pages = np.asarray(dst_kv_indices, dtype=np.int64)
+        src_pages = np.asarray(src_pages, dtype=np.int64)
+        dst_pages = np.asarray(dst_pages, dtype=np.int64)
         if not head_slice.is_sender or src_pages.size == 0:
             # A replica (another prefill rank sends these heads) or nothing to
             # send: decode still counts this rank's notification.
             return self.agent.send_notif(peer_name, notif.encode("ascii"))
         page_size = self.kv_args.page_size
-        src_item_len = self.kv_args.kv_item_lens[0]
-        head_bytes = head_bytes_from_item_len(dst_kv_item_len, page_size, layout.decode_heads_per_rank)
         src_head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
+        if dst_item_len is None:
+            dst_item_len = src_head_bytes * page_size * layout.decode_heads_per_rank
+        head_bytes = head_bytes_from_item_len(dst_item_len, page_size, layout.decode_heads_per_rank)
         if src_head_bytes != head_bytes:
             raise HeadLayoutError(
-                f"one KV head is {src_head_bytes} bytes per token on prefill but {head_bytes} on decode"
+                f"one {what} head is {src_head_bytes} bytes per token on prefill but {head_bytes} on decode"
             )
-        src_k, src_v, dst_k, dst_v, n_layers = self.get_mha_kv_ptrs_with_pp(self.kv_args.kv_data_ptrs, dst_kv_ptrs)
+        src_k, src_v, dst_k, dst_v, n_layers = self.get_mha_kv_ptrs_with_pp(src_ptrs, dst_ptrs)
         rows = build_head_slice_descriptors(
             list(src_k[:n_layers]) + list(src_v[:n_layers]),
             list(dst_k[:n_layers]) + list(dst_v[:n_layers]),
@@ -630,13 +730,13 @@ class NixlExtKVManager(NixlKVManager):
             dst_pages,
             page_size=page_size,
             src_item_len=src_item_len,
-            dst_item_len=dst_kv_item_len,
+            dst_item_len=dst_item_len,
             head_slice=head_slice,
             head_bytes=head_bytes,
         )
-        src_kind = mem_kind.single_kind(self.kv_args.kv_data_ptrs, self._ext_local_kinds, "prefill KV")
+        src_kind = mem_kind.single_kind(src_ptrs, self._ext_local_kinds, f"prefill {what}")
         peer = self._ext_peer_kinds.get(peer_name, {})
-        dst_kind = mem_kind.single_kind(dst_kv_ptrs, peer, "decode KV") if peer else mem_kind.VRAM
+        dst_kind = mem_kind.single_kind(dst_ptrs, peer, f"decode {what}") if peer else mem_kind.VRAM
         n = rows.shape[0]
         src_reqs = np.empty((n, 3), dtype=np.int64)
         dst_reqs = np.empty((n, 3), dtype=np.int64)
@@ -649,9 +749,10 @@ class NixlExtKVManager(NixlKVManager):
         dst_descs = agent.get_xfer_descs(dst_reqs, dst_kind)
         handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name, notif.encode("ascii"))
         if not handle:
-            raise Exception("Failed to create sliced KV transfer")
-        if agent.transfer(handle) == "ERR":
-            raise Exception("Failed to post sliced KV transfer")
+            raise Exception(f"Failed to create sliced {what} transfer")
+        # Posted through the manager's agent object, as stock posts (a wrapper there sees every post).
+        if self.agent.transfer(handle) == "ERR":
+            raise Exception(f"Failed to post sliced {what} transfer")
         return handle
 
     # -- failures ------------------------------------------------------------------------------

@@ -343,8 +343,8 @@ def soak_main(args, policy, options) -> int:
             return 2
         print("[selftest] soak: several ranks a side: no decode restart (one decode process only)", file=sys.stderr)
         if not soak.carries_state(family, *tp):
-            print(f"[selftest] soak: SGLang {policy.version} does not send SWA state across TP sizes "
-                  f"{tp[0]} -> {tp[1]}; KV and aux only", file=sys.stderr)
+            print(f"[selftest] soak: SGLang {policy.version}'s {family}-ext does not send SWA state across TP "
+                  f"sizes {tp[0]} -> {tp[1]}; KV and aux only", file=sys.stderr)
             state = False
     cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=fault_rate,
                           bad_rate=args.bad_rate, seed=args.seed,

@@ -282,11 +282,12 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
 
 def carries_state(family: str, prefill_tp: int, decode_tp: int) -> bool:
     """Whether the soak's requests carry SWA state for ``family`` ("mooncake", "nixl") at these
-    TP sizes on the installed release: always at equal sizes; across sizes only where the
-    release's stock manager sends SWA head slices (``releases.features()``: 0.5.23). Up to
-    0.5.12.x SGLang refuses SWA state across TP sizes per request, stock and ``-ext``
-    alike (issue 15); a soak would only measure that refusal."""
-    if prefill_tp == decode_tp:
+    TP sizes on the installed release: always at equal sizes; across sizes where the ``-ext``
+    backend sends SWA head slices: ``nixl-ext`` on every supported release (its own slices up
+    to 0.5.12.x, stock's on 0.5.23), ``mooncake-ext`` where stock Mooncake does
+    (``releases.features().stock_swa_head_slice_backends``: 0.5.23). Stock NIXL up to 0.5.12.x
+    refuses SWA state across TP sizes per request; the side-by-side soak shows it."""
+    if prefill_tp == decode_tp or family == "nixl":
         return True
     from sglang_disagg_ext import releases
 

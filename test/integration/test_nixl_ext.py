@@ -373,3 +373,26 @@ def test_impossible_head_layout_refused_with_numbers():
     result = run(builtin.name, "ext")
     assert builtin.passed(result), result.describe()
     assert "decode TP size 2 does not divide the 3 KV heads" in result.requests[0].prefill_failure_reason
+
+
+SWA_TOPOLOGIES = [(2, 1), (1, 2), (1, 4)]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("p,d", SWA_TOPOLOGIES, ids=[f"tp{p}-tp{d}" for p, d in SWA_TOPOLOGIES])
+def test_swa_state_across_tp_sizes_every_element(p, d):
+    """KV and an SWA window cache (2 KV heads each; state pages 2, 3 -> 8, 9) from prefill TP
+    P to decode TP D. Stock NIXL raises for non-MLA SWA state whenever the TP sizes differ
+    (0.5.10.post1 nixl/conn.py:701-704, 0.5.11 :866-869, 0.5.12.post1 :1545-1548): the
+    request ends Failed (0.5.12.x) or decode waits out its waiting timeout. ``nixl-ext``
+    sends the window cache as head slices with F4's layout, and every decode rank checks
+    every element of the heads it holds, of KV and of the window cache, and that every
+    other page still holds the sentinel."""
+    builtin = by_name(f"kv+swa tp{p}->tp{d} h2")
+    scn = builtin.build()
+    assert scn.state_pools and scn.requests[0].state[0].src_pages == [2, 3]
+    ext = run(builtin.name, "ext")
+    assert_ext_ok(ext)
+    stock = run(builtin.name, "stock")
+    assert builtin.stock_expectation(POLICY) == "fail"
+    assert not any(r.ok for r in stock.requests), stock.describe()

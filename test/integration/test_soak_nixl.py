@@ -104,10 +104,10 @@ def test_nixl_ext_soak_over_ranks(p, d):
     rank's row completed the room on decode while the other rank's post of it failed,
     test_decode_waits_for_every_prefill_ranks_aux_row).
     Every decode rank checks every element of the heads it holds and that no page outside
-    the wave's targets was written. SWA state rides along where SGLang sends it across TP
-    sizes (0.5.23, ``soak.carries_state``); up to 0.5.12.x stock and ``-ext`` both refuse it
-    per request (issue 15), so there the requests carry KV and aux only. No stock assertion:
-    the heterogeneous-TP differential is F4's (test_nixl_ext.py)."""
+    the wave's targets was written. Each request carries an SWA window cache too
+    (``soak.carries_state``: ``nixl-ext`` slices it by heads on every release; stock up to
+    0.5.12.x refuses it per request, test_nixl_ext.py::test_swa_state_across_tp_sizes_every_element).
+    No stock assertion: the heterogeneous-TP differentials are test_nixl_ext.py's."""
     cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=1 / 16, bad_rate=1 / 16, seed=11,
                           prefill_tp=p, decode_tp=d, state=soak.carries_state("nixl", p, d))
     scn = soak.make_scenario(cfg, name=f"soak-nixl-ext-tp{p}-tp{d}", engine="nixl")

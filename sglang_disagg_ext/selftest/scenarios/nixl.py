@@ -61,6 +61,20 @@ def tp_scenario(prefill_tp: int, decode_tp: int, heads: int, chunks: int = 2) ->
     )
 
 
+def swa_tp_scenario(prefill_tp: int, decode_tp: int, heads: int = 2) -> Scenario:
+    """``tp_scenario`` with an SWA window cache of the same ``heads``: state pages 2, 3 -> 8, 9.
+
+    The window cache is attention KV, so each rank holds its share of its heads as of
+    the KV pool's (``patterns.rank_kv_heads``), and decode ranks check every element."""
+    base = tp_scenario(prefill_tp, decode_tp, heads, chunks=1)
+    return dataclasses.replace(
+        base,
+        name=f"kv+swa tp{prefill_tp}->tp{decode_tp} {heads} kv heads",
+        requests=[dataclasses.replace(base.requests[0], state=[StateSpec("swa", [2, 3], [8, 9])])],
+        state_pools=[StatePoolSpec(kind="swa", num_pages=12, head_num=heads, head_dim=HEAD_DIM)],
+    )
+
+
 def swa_host_scenario() -> Scenario:
     """TP 1 -> 1, SWA state from host memory: a good request, a length mismatch, a good one."""
     kind = "swa"
@@ -190,6 +204,12 @@ def _stock_decode_replicas_of_several_heads(policy) -> str:
     return _fail_if(not stock_slice_uses_total_heads() or stock_slice_maps_decode_replicas_by_modulo(), policy)
 
 
+def _stock_swa_across_tp(policy) -> str:
+    """Non-MLA SWA state across TP sizes: stock NIXL raises per request up to 0.5.12.x
+    (``releases.features().stock_swa_head_slice_backends``; 0.5.23 slices it)."""
+    return "pass" if "nixl" in releases.features().stock_swa_head_slice_backends else "fail"
+
+
 def _always_fail(policy) -> str:
     return "fail"
 
@@ -224,6 +244,9 @@ def builtin_scenarios() -> List[NixlScenario]:
             decode_backend_for_ext="nixl",
         )
     )
+    for p, d in ((2, 1), (1, 2), (1, 4)):
+        out.append(NixlScenario(f"kv+swa tp{p}->tp{d} h2", lambda p=p, d=d: swa_tp_scenario(p, d), all_ok,
+                                _stock_swa_across_tp))
     out.append(NixlScenario("swa state from host memory", swa_host_scenario, swa_ok, _always_fail, stock_shim=False))
     out.append(NixlScenario("3 kv heads over decode tp 2", layout_scenario, layout_ok, _always_fail))
     return out
