@@ -387,12 +387,16 @@ def test_swa_state_across_tp_sizes_every_element(p, d):
     request ends Failed (0.5.12.x) or decode waits out its waiting timeout. ``nixl-ext``
     sends the window cache as head slices with F4's layout, and every decode rank checks
     every element of the heads it holds, of KV and of the window cache, and that every
-    other page still holds the sentinel."""
+    other page still holds the sentinel. Stock runs at 2 -> 1 and 1 -> 2 only: its refusal
+    tests the two TP sizes alone, the same line for every shape, and a stock 1 -> 4 run
+    only waits out the five-rank waiting timeout (30 s) to show it again."""
     builtin = by_name(f"kv+swa tp{p}->tp{d} h2")
     scn = builtin.build()
     assert scn.state_pools and scn.requests[0].state[0].src_pages == [2, 3]
     ext = run(builtin.name, "ext")
     assert_ext_ok(ext)
+    if d == 4:
+        return
     stock = run(builtin.name, "stock")
     assert builtin.stock_expectation(POLICY) == "fail"
     assert not any(r.ok for r in stock.requests), stock.describe()
