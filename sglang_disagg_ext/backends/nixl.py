@@ -613,18 +613,19 @@ class NixlExtKVManager(NixlKVManager):
         so a hybrid SWA model cannot run prefill TP != decode TP over NIXL. An
         SWA window cache is attention KV (``2 * layers`` buffers of pages, the
         same heads as the KV pool), so F4's head layout places it exactly as KV.
-        Returns None when no component is SWA (stock's path, and stock's error,
-        for the rest); components of other kinds go to stock with the SWA ones
-        emptied (stock skips a component without indices). 0.5.10.post1-0.5.11
+        Returns None, leaving the room to stock (and to stock's error for SWA),
+        unless every component that carries indices is SWA: a model mixing SWA
+        with another state kind keeps stock's behaviour. 0.5.10.post1-0.5.11
         carry one flat component (``kv_args.state_type``), 0.5.12.x one list per
         component (``kv_args.state_types``).
         """
         per_component = isinstance(getattr(self.kv_args, "state_types", None), (list, tuple))
         if per_component:
             kinds = [str(getattr(t, "value", t)).lower() for t in self.kv_args.state_types]
+            carried = [k for i, k in enumerate(kinds) if i < len(src_indices) and len(src_indices[i])]
         else:
-            kinds = [str(getattr(self.kv_args, "state_type", "none")).lower()]
-        if "swa" not in kinds:
+            kinds = carried = [str(getattr(self.kv_args, "state_type", "none")).lower()]
+        if not carried or any(k != "swa" for k in carried):
             return None
         info = self.decode_kv_args_table[peer_name]
         decode_tp_rank = kwargs.get("decode_tp_rank", args[0] if args else getattr(info, "decode_tp_rank", 0))
@@ -657,13 +658,6 @@ class NixlExtKVManager(NixlKVManager):
                     self.attn_tp_size, decode_tp_size, int(decode_tp_rank),
                 )
             )
-        if per_component and any(k != "swa" for k in kinds):
-            rest = [[] if k == "swa" else (src_indices[i] if i < len(src_indices) else []) for i, k in enumerate(kinds)]
-            info_dst = _flatten_ptrs(getattr(info, "dst_state_data_ptrs", []))
-            with self._ext_kinds(peer_name, [p for p, _ in _flatten_state(self.kv_args)], info_dst, "state"):
-                more = super().maybe_send_extra(peer_name, rest, dst_ptrs, dst_indices, dst_gpu_id, notif,
-                                                decode_tp_size, *args, **kwargs)
-            handles += [h for h in (more or []) if h is not None]
         return handles if per_component else (handles[0] if handles else None)
 
     def send_kvcache_slice(
