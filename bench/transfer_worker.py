@@ -336,12 +336,16 @@ class Worker:
         ss.init_runtime(first, self.args.dist_init, self.scn.hidden_size, dtype)
         engines = ss.init_shared_engines(first)
         classes = ss.kv_classes(first)
-        ext_manager = ext_classes(policy)["MooncakeKVManager"]
+        routed = ext_classes(policy)
+        ext_manager = routed["MooncakeKVManager"]
         if issubclass(classes["manager"], ext_manager) or classes["manager"] is ext_manager:
             raise RuntimeError("the stock manager class is the plugin's: was the plugin loaded in this process?")
         self.classes = classes
         self.ext_class = ext_manager
         manager_class = {"stock": classes["manager"], "ext": ext_manager}
+        # F6 before 0.5.23: the plugin's receiver publishes decode's pool sizes.
+        ext_receiver = routed.get("MooncakeKVReceiver", classes["receiver"])
+        self.receiver_class = {"stock": classes["receiver"], "ext": ext_receiver, VERIFIED: ext_receiver}
         if VERIFIED in self.variants:
             manager_class[VERIFIED] = _verified_manager_class(policy)
         self.KVPoll = ss.kvpoll()
@@ -446,7 +450,7 @@ class Worker:
         deadline = time.monotonic() + self.scn.timeouts.request_s
         receivers = {}
         for room in msg["rooms"]:
-            r = self.ss.make_receiver(self.classes["receiver"], side.mgr, side.addr, room)
+            r = self.ss.make_receiver(self.receiver_class[msg["variant"]], side.mgr, side.addr, room)
             r.init(0)
             receivers[room] = r
         states = self._poll_all(receivers, ("WaitingForInput",) + FINAL, deadline)

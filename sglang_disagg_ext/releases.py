@@ -11,9 +11,9 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  uncov.  live  live  uncov.  uncov.  n/a     flat
-0.5.11           up    live  n/a   live  live  uncov.  live  live  uncov.  uncov.  n/a     flat
-0.5.12(.post1)   up    up    live  live  live  uncov.  live  live  uncov.  uncov.  n/a     per-component
+0.5.10.post1     live  live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
+0.5.11           up    live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
+0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     per-component
 0.5.13 …         up    up    up    up    up    uncov.  live  live  uncov.  uncov.  n/a     per-component
   0.5.21 [1]
 0.5.22           up    up    up    up    up    uncov.  live  live  uncov.  uncov.  uncov.  per-component
@@ -29,9 +29,11 @@ that range without its own row (a later ``.postN``) passes through.
 
 "uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
 this plugin version has no adapter proven against its code, so ``-ext`` passes
-through there (F6 before 0.5.23: the decode registration is built inside the
-receiver and prefill's bootstrap loop reads its socket directly, so the manager
-has no hook to publish or read decode's pool sizes). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
+through there (F6 on 0.5.13-0.5.22: no differential run there yet; on
+0.5.10.post1-0.5.12.x the registration is built inside the receiver and
+prefill's bootstrap loop reads its socket directly, so ``-ext`` adds and reads
+the pool-sizes frame through the receiver and the socket, see
+``backends/mooncake_peers``). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
 F6 one failed KV send blacklists the decode session (0.5.10.post1
 mooncake/conn.py:1270-1271 ... 0.5.23 :2742-2745), no release checks destination
 indices against decode's pools, and no registration message carries them; F7
@@ -253,10 +255,10 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
@@ -466,6 +468,50 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
         return all(hasattr(MooncakeKVManager, n) for n in ("parse_kv_status_message", "send_kv_status_message"))
+
+    @functools.cached_property
+    def mooncake_conclude_failure(self) -> bool:
+        """Whether the managers have ``conclude_failure`` (record the reason, set Failed,
+        tell every decode rank; 0.5.23 common/conn.py:906). Before, each failure
+        path does those three steps itself (0.5.11 mooncake/conn.py:1188-1199)."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return hasattr(MooncakeKVManager, "conclude_failure")
+
+    @functools.cached_property
+    def mooncake_send_probe(self) -> bool:
+        """Whether the Mooncake manager probes a failed session itself (``_send_probe``,
+        0.5.23 mooncake/conn.py:3147, with a probe loop that lifts the mark). Before,
+        a session marked failed stays marked until decode registers again (0.5.11
+        :1407-1410), and SGLang's engine wrapper has no ``send_probe``."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return hasattr(MooncakeKVManager, "_send_probe")
+
+    @functools.cached_property
+    def stock_mooncake_checks_state_send(self) -> bool:
+        """Whether stock ``transfer_worker`` acts on ``maybe_send_extra``'s result (0.5.23
+        mooncake/conn.py:2761-2770: a failed state send fails the room). Up to
+        0.5.12.x it is ignored (0.5.12.post1 :1343-1351): a state page the engine
+        could not write still ends in Success on both sides."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return "= self.maybe_send_extra(" in inspect.getsource(stock_callable(MooncakeKVManager, "transfer_worker"))
+
+    @functools.cached_property
+    def mooncake_registration_hooks(self) -> bool:
+        """Whether Mooncake's decode registration and prefill's receive loop have manager
+        hooks (``build_receiver_registration_message``, common/conn.py:636, sent by
+        ``CommonKVReceiver._register_kv_args``; ``_make_worker_recv``, :1110, read by
+        ``start_prefill_thread``; 0.5.23). Without them (0.5.10.post1-0.5.12.x) the
+        receiver builds the message itself and sends it through
+        ``_connect_to_bootstrap_server`` (0.5.11 mooncake/conn.py:1756-1817), and the
+        prefill bootstrap thread reads ``self.server_socket.recv_multipart()`` directly
+        (:1355); ``KVArgsRegisterInfo.from_zmq`` reads fixed positions up to the
+        staging fields (:137-164) and never a trailing frame."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return all(hasattr(MooncakeKVManager, n) for n in ("build_receiver_registration_message", "_make_worker_recv"))
 
     # -- process setup ------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
 from sglang_disagg_ext import activation_log, releases, verification
 from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
+from sglang_disagg_ext.backends.mooncake_peers import MooncakeExtKVReceiver
 from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
 from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
 from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
@@ -302,4 +303,11 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mooncake`` to route to the plugin."""
     cls = manager_class(policy) if policy.routes("mooncake") else None
-    return {"MooncakeKVManager": cls} if cls is not None else {}
+    if cls is None:
+        return {}
+    classes = {"MooncakeKVManager": cls}
+    # F6 before 0.5.23: the receiver builds decode's registration itself, so the
+    # pool-sizes frame is added there (mooncake_peers).
+    if policy.is_live("F6") and not releases.features().mooncake_registration_hooks:
+        classes["MooncakeKVReceiver"] = MooncakeExtKVReceiver
+    return classes

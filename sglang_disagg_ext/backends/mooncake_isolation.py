@@ -27,10 +27,15 @@ Here:
   until the probe loop's next pass (30 s, backing off to 300 s). A peer that
   is really gone fails its probe and is marked as stock marks it.
 
-Needs the 0.5.23 manager hooks (``build_receiver_registration_message``,
-``_make_worker_recv``, ``conclude_failure``). On releases whose decode builds
-the registration inside the receiver (0.5.12.post1 and older) no sizes are
-published, so every peer is "unchecked" and this mixin changes nothing.
+On 0.5.23 through stock's hooks (``build_receiver_registration_message``,
+``_make_worker_recv``, ``conclude_failure``, ``_send_probe``); on 0.5.10.post1-
+0.5.12.x, whose decode builds the registration inside the receiver, through
+:class:`.mooncake_peers.MooncakeExtKVReceiver` and a wrapped server socket
+(:mod:`.mooncake_peers`), the three steps of ``conclude_failure`` by hand, and
+the engine's own ``send_probe`` (stock has no probe loop there: a marked
+session stays marked until decode registers again). Flat layout (0.5.10.post1,
+0.5.11): the request's one state page list is checked against the one state
+component decode published.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ import queue
 import threading
 
 from sglang_disagg_ext import metrics
-from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin, conclude_room_failed, state_kinds_of
 from sglang_disagg_ext.core.index_bounds import check_destination
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.isolation")
@@ -89,7 +95,7 @@ class RequestIsolationMixin(PeerPoolsMixin):
         logger.error("room %s refused before transfer: %s", bootstrap_room, reason)
         # "kv", "aux" or "state": the component class, never request data.
         metrics.count("requests_refused_total", fix="F6", reason=f"{_component_class(reason)} index out of pool")
-        self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=reason)
+        conclude_room_failed(self, bootstrap_room, reason)
         return None
 
     def _destination_problem(self, room):
@@ -97,7 +103,8 @@ class RequestIsolationMixin(PeerPoolsMixin):
         infos = self.transfer_infos.get(room)
         if room not in self.request_status or not infos:
             return None  # stock returns early for these
-        state_kinds = [getattr(t, "value", t) for t in (getattr(self.kv_args, "state_types", None) or [])]
+        state_kinds = state_kinds_of(self.kv_args)
+        flat = releases.current_policy().layout is releases.StateLayout.FLAT
         for session, info in list(infos.items()):
             if info.is_dummy:
                 continue
@@ -108,7 +115,10 @@ class RequestIsolationMixin(PeerPoolsMixin):
             # DCP relayout addresses decode KV by token, not page: its KV
             # indices are not pool pages.
             kv = None if getattr(registration, "requires_dcp_relayout", False) else info.dst_kv_indices
-            reason = check_destination(bounds, kv, info.dst_aux_index, info.dst_state_indices, state_kinds)
+            state = info.dst_state_indices
+            if flat:  # one component: the request's page list itself
+                state = [state] if state is not None and len(state) else []
+            reason = check_destination(bounds, kv, info.dst_aux_index, state, state_kinds)
             if reason is not None:
                 return f"decode session {session}: {reason}"
         return None
@@ -157,7 +167,7 @@ class ProbeFirstSessions(set):
         while True:
             session = self._queue.get()
             try:
-                rc = self._mgr._send_probe(session)  # stock: -1 when the engine raises
+                rc = _probe(self._mgr, session)
             except Exception as exc:  # never let this thread die
                 logger.warning("probe of mooncake session %s raised: %s", session, exc)
                 rc = -1
@@ -174,3 +184,12 @@ class ProbeFirstSessions(set):
                 logger.error("mooncake session %s failed a transfer and its probe (rc=%s): "
                              "marked failed, as stock marks it", session, rc)
             metrics.count("session_probes_total", fix="F6", result="alive" if rc == 0 else "dead")
+
+
+def _probe(mgr, session) -> int:
+    """0 when the peer answers: stock's ``_send_probe`` (0.5.23: -1 when the engine
+    raises), else the engine's own ``send_probe`` (Mooncake's TransferEngine, which
+    SGLang's wrapper holds as ``engine.engine`` before 0.5.23)."""
+    if releases.features().mooncake_send_probe:
+        return mgr._send_probe(session)
+    return mgr.engine.engine.send_probe(session)

@@ -9,22 +9,95 @@ prefill notes the frame per decode session as the registration arrives
 (``_peer_bounds``), before stock parses the message; a decode that published
 none (stock) is named once at INFO and left unchecked.
 
-Needs 0.5.23's hooks (``build_receiver_registration_message``,
-``_make_worker_recv``); older releases build the registration inside the
-receiver, so nothing is published there.
+Two ways in, by release (``releases.features().mooncake_registration_hooks``):
+
+* 0.5.23: stock's hooks, ``build_receiver_registration_message`` (decode) and
+  ``_make_worker_recv`` (prefill's receive function);
+* 0.5.10.post1-0.5.12.x, where the receiver builds the registration itself and
+  prefill's bootstrap thread reads ``server_socket`` directly: the receiver
+  (:class:`MooncakeExtKVReceiver`) sends stock's message through a socket that
+  appends the frame, and prefill reads through a :class:`..shared.FilteringSocket`.
+
+Failure reasons to decode: 0.5.23's status message goes through SGLang's common
+codec, which carries a reason frame to any decode. Older decode loops unpack
+exactly three frames (room, status, rank; 0.5.11 mooncake/conn.py:1474) and
+die on a fourth, so there prefill adds the reason only for a decode that
+published pool sizes (this plugin's decode, which takes the frame off before
+stock reads the message and records the reason in place of stock's "it might
+be dead"); a stock decode gets stock's three frames.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
-from sglang_disagg_ext.backends.shared import note_peer_bounds
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, register_appending
 from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, encode_frame
+from sglang_disagg_ext.core.thread_survival import prefill_unique_rank
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.peers")
 
 # First frame of a decode registration message (stock: the room field reads "None").
 REGISTRATION = b"None"
+# Fourth frame of a Failed status message to an -ext decode (releases whose decode
+# unpacks exactly three frames): this prefix, then prefill's reason (UTF-8).
+REASON_PREFIX = b"sglang-disagg-ext:reason:"
+
+
+def pool_bounds_frame(kv_args) -> Optional[bytes]:
+    """Decode's KV, aux and state pool sizes as one trailing registration frame; None
+    (and one error line) if they cannot be read: the registration still goes out, the
+    peer then runs unchecked.
+
+    Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
+    buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
+    ``kv_args.state_type``, its buffers listed directly.
+    """
+    state_data = list(getattr(kv_args, "state_data_lens", None) or [])
+    state_item = list(getattr(kv_args, "state_item_lens", None) or [])
+    if state_data and not isinstance(state_data[0], (list, tuple)):
+        state_data, state_item = [state_data], [state_item]
+    try:
+        bounds = bounds_of(kv_args.kv_data_lens, kv_args.kv_item_lens, kv_args.aux_data_lens,
+                           kv_args.aux_item_lens, state_data, state_item)
+    except (IndexBoundsError, AttributeError, TypeError) as exc:
+        logger.error("not publishing pool sizes to prefill: %s", exc)
+        return None
+    return encode_frame(bounds)
+
+
+def state_kinds_of(kv_args) -> list:
+    """Each state component's kind ("swa", "nsa", ...), in :func:`pool_bounds_frame`'s order."""
+    kinds = getattr(kv_args, "state_types", None)
+    if kinds is None:  # flat layout: one component
+        kind = getattr(kv_args, "state_type", "none")
+        kinds = [] if kind in (None, "none") else [kind]
+    return [getattr(t, "value", t) for t in kinds]
+
+
+def conclude_room_failed(mgr, room, reason: str) -> None:
+    """Prefill: end ``room`` Failed with ``reason`` and tell each of its non-dummy decode ranks.
+
+    Stock ``conclude_failure`` where the release has it (0.5.23); before, what it
+    does there, by hand: record the reason, set the status, send each decode rank
+    stock's status message (``sync_status_to_decode_endpoint``, which
+    :class:`PeerPoolsMixin` extends with the reason for an ``-ext`` decode).
+    """
+    if releases.features().mooncake_conclude_failure:
+        mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        return
+    mgr.record_failure(room, reason)
+    mgr.update_status(room, KVPoll.Failed)
+    rank = prefill_unique_rank(mgr.attn_tp_rank, mgr.pp_rank, mgr.pp_size, mgr.attn_cp_rank, mgr.attn_cp_size)
+    for info in list(mgr.transfer_infos.get(room, {}).values()):
+        if not info.is_dummy:
+            mgr.sync_status_to_decode_endpoint(info.endpoint, info.dst_port, room, KVPoll.Failed, rank)
 
 
 class PeerPoolsMixin:
@@ -46,6 +119,11 @@ class PeerPoolsMixin:
         # the scheduler thread (single dict operations, no lock needed).
         self._peer_bounds = {}
         self._unchecked_peers = set()
+        # Prefill, before 0.5.22's codec: (host, port) of each decode that
+        # published pool sizes (so it reads a reason frame). Decode: room -> the
+        # reason prefill sent with its Failed status, until stock records it.
+        self._reason_endpoints = set()
+        self._peer_reasons = {}
         super().__init__(*args, **kwargs)
 
     # -- decode: publish the pool sizes --------------------------------------
@@ -59,21 +137,8 @@ class PeerPoolsMixin:
         (a stock prefill parses them by position and ignores what follows).
         """
         frames = list(super().build_receiver_registration_message())
-        args = self.kv_args
-        try:
-            bounds = bounds_of(
-                args.kv_data_lens,
-                args.kv_item_lens,
-                args.aux_data_lens,
-                args.aux_item_lens,
-                getattr(args, "state_data_lens", None) or [],
-                getattr(args, "state_item_lens", None) or [],
-            )
-        except IndexBoundsError as exc:
-            # Registration must still go out: the peer then runs unchecked.
-            logger.error("not publishing pool sizes to prefill: %s", exc)
-            return frames
-        return frames + [encode_frame(bounds)]
+        frame = pool_bounds_frame(self.kv_args)
+        return frames if frame is None else frames + [frame]
 
     # -- prefill: read them -----------------------------------------------------
     def _make_worker_recv(self, *args, **kwargs):
@@ -98,6 +163,24 @@ class PeerPoolsMixin:
 
         return recv_noting_bounds
 
+    def start_prefill_thread(self):
+        """Stock's prefill bootstrap thread, reading through a socket that notes pool sizes.
+
+        Contract: prefill only; the stock constructor calls it once, after
+        ``CommonKVManager.__init__`` bound ``server_socket`` and before any decode
+        can register. Up to 0.5.12.x the thread reads ``self.server_socket`` on
+        every message (no ``_make_worker_recv``), so the wrapper sees each one
+        first and hands it on unchanged; it must never raise into that thread.
+        On 0.5.23 ``_make_worker_recv`` does this and the socket is left alone.
+        """
+        if not releases.features().mooncake_registration_hooks:
+            self.server_socket = FilteringSocket(self.server_socket, self._note_if_registration, logger)
+        return super().start_prefill_thread()
+
+    def _note_if_registration(self, msg) -> None:
+        if msg and len(msg) > 3 and msg[0] == REGISTRATION:
+            self._note_registration(msg)
+
     def _note_registration(self, msg) -> None:
         try:
             session = bytes(msg[3]).decode("ascii")
@@ -109,3 +192,99 @@ class PeerPoolsMixin:
             "for it (a request with an out-of-pool index fails its whole session, as in stock SGLang), and "
             "its metadata buffers are checked by count only",
         )
+        if releases.features().kv_status_codec:
+            return  # 0.5.22+: stock's status message carries the reason to any decode
+        try:
+            endpoint = (bytes(msg[1]).decode("ascii"), int(bytes(msg[2]).decode("ascii")))
+        except (UnicodeDecodeError, ValueError):
+            return  # stock's own parse of this message reports it
+        # A decode that publishes pool sizes is this plugin's: it takes a reason frame.
+        if session in self._peer_bounds:
+            self._reason_endpoints.add(endpoint)
+        else:
+            self._reason_endpoints.discard(endpoint)
+
+    # -- failure reasons to decode (releases without 0.5.22's status codec) ----
+    def sync_status_to_decode_endpoint(self, remote, dst_port, room, status, prefill_rank):
+        """Stock's status message; a Failed one to an ``-ext`` decode also carries the reason.
+
+        Contract: prefill only, from the transfer threads and (refusals) the
+        scheduler thread, once per decode rank when a room concludes, after the
+        reason was recorded (``record_failure``). Stock's three frames (room,
+        status, rank) go out as stock sends them; a fourth frame, the reason,
+        only where the release's decode loop unpacks exactly three frames and
+        this decode published pool sizes (it takes the frame off, see
+        :meth:`start_decode_thread`). Must not raise more than stock does.
+        """
+        reason = None
+        if int(status) == int(KVPoll.Failed) and (remote, int(dst_port)) in self._reason_endpoints:
+            with self.failure_lock:
+                reason = self.failure_records.get(room)
+        if reason is None or releases.features().kv_status_codec:
+            return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
+        # Stock's frames (0.5.10.post1-0.5.12.x sync_status_to_decode_endpoint, identical in each), plus the reason.
+        from sglang.srt.utils.network import NetworkAddress
+
+        na = NetworkAddress(remote, dst_port)
+        self._connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
+            [str(room).encode("ascii"), str(status).encode("ascii"), str(prefill_rank).encode("ascii"),
+             REASON_PREFIX + str(reason).encode("utf-8", "replace")]
+        )
+
+    def start_decode_thread(self):
+        """Stock's decode thread, reading through a socket that takes off a reason frame.
+
+        Contract: decode only; the stock constructor calls it once, after
+        ``server_socket`` is bound and before any prefill knows this decode. Up to
+        0.5.12.x the thread reads ``self.server_socket`` on every message and
+        unpacks a status message as exactly three frames: the wrapper removes the
+        fourth an ``-ext`` prefill adds and keeps the reason for
+        :meth:`record_failure`, handing every other message on unchanged. It must
+        never raise into that thread. 0.5.22+ parse the reason themselves.
+        """
+        if not releases.features().kv_status_codec:
+            self.server_socket = FilteringSocket(self.server_socket, self._take_reason_frame, logger)
+        return super().start_decode_thread()
+
+    def _take_reason_frame(self, msg):
+        if len(msg) != 4 or not bytes(msg[3]).startswith(REASON_PREFIX):
+            return None
+        room = int(bytes(msg[0]).decode("ascii"))
+        self._peer_reasons[room] = bytes(msg[3])[len(REASON_PREFIX):].decode("utf-8", "replace")
+        return msg[:3]
+
+    def record_failure(self, bootstrap_room, failure_reason):
+        """Stock ``record_failure``; on decode, prefill's own reason where it sent one.
+
+        Contract: any thread (stock's decode thread records "Failed to get kvcache
+        from prefill instance, it might be dead" for every Failed status); it
+        must not raise. A reason prefill sent with that status (see
+        :meth:`start_decode_thread`) is recorded instead, once.
+        """
+        sent = self._peer_reasons.pop(bootstrap_room, None)
+        if sent is not None and self.disaggregation_mode == DisaggregationMode.DECODE:
+            failure_reason = f"prefill failed the request: {sent}"
+        return super().record_failure(bootstrap_room, failure_reason)
+
+
+class MooncakeExtKVReceiver(MooncakeKVReceiver):
+    """Stock receiver whose registration also carries decode's pool sizes (0.5.10.post1-0.5.12.x)."""
+
+    def _register_kv_args(self):
+        """Stock registration, with one trailing pool-bounds frame.
+
+        Contract: decode only, on the scheduler thread, when a receiver first
+        meets a prefill bootstrap address; stock sends one message per prefill
+        rank through ``_connect_to_bootstrap_server``'s cached sockets. Stock's
+        frames go out unchanged and in order: a stock prefill parses them by
+        position (``KVArgsRegisterInfo.from_zmq``, up to its staging fields) and
+        never reads the trailing one.
+        """
+        frame = pool_bounds_frame(self.kv_mgr.kv_args)
+        if frame is None:
+            return super()._register_kv_args()
+        return register_appending(self, frame, _is_registration, super()._register_kv_args)
+
+
+def _is_registration(frames) -> bool:
+    return len(frames) > 3 and bytes(frames[0]) == REGISTRATION

@@ -38,8 +38,9 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_disagg_ext import metrics, releases
-from sglang_disagg_ext.core.thread_survival import failure_reason, prefill_unique_rank, room_of_message
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.mooncake_peers import conclude_room_failed
+from sglang_disagg_ext.core.thread_survival import failure_reason, room_of_message
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.threads")
 
@@ -222,23 +223,6 @@ class ThreadSurvivalMixin:
                 self.record_failure(room, reason)
                 self.update_status(room, KVPoll.Failed)
                 return
-            if _has_stock(type(self), "conclude_failure"):  # 0.5.23+: record, status, sync in one
-                self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-                return
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
-            rank = prefill_unique_rank(self.attn_tp_rank, self.pp_rank, self.pp_size, self.attn_cp_rank, self.attn_cp_size)
-            for info in list(self.transfer_infos.get(room, {}).values()):
-                if not info.is_dummy:
-                    self.sync_status_to_decode_endpoint(info.endpoint, info.dst_port, room, KVPoll.Failed, rank)
+            conclude_room_failed(self, room, reason)
         except Exception:  # noqa: BLE001 - failing the room must not end the loop either
             logger.exception("room %s: could not end the room Failed after: %s", room, reason)
-
-
-@functools.lru_cache(maxsize=None)
-def _has_stock(cls: type, name: str) -> bool:
-    try:
-        releases.stock_callable(cls, name)
-    except AttributeError:
-        return False
-    return True

@@ -97,7 +97,7 @@ from sglang_disagg_ext.core.head_slice import (
     head_bytes_from_item_len,
     resolve_total_kv_heads,
 )
-from sglang_disagg_ext.backends.shared import note_peer_bounds
+from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, register_appending
 from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, check_destination, encode_frame
 from sglang_disagg_ext.core.nixl_notif import aux_room, failure_tag, parse_failure_tag, with_sender_id
 from sglang_disagg_ext.core.nixl_quorum import AUX, RoomQuorum
@@ -453,7 +453,7 @@ class NixlExtKVManager(NixlKVManager):
         on every message, so the proxy sees every message first, and passes it
         on unchanged; it must never raise into that thread.
         """
-        self.server_socket = _RegistrationNotingSocket(self.server_socket, self._ext_note_registration)
+        self.server_socket = FilteringSocket(self.server_socket, self._ext_note_registration, logger)
         super()._start_bootstrap_thread()
 
     def _ext_note_registration(self, msg) -> None:
@@ -883,40 +883,8 @@ class NixlExtKVManager(NixlKVManager):
 REGISTRATION_ROOM = b"None"
 
 
-class _RegistrationNotingSocket:
-    """Prefill's server socket, handing every received message to ``note`` first."""
-
-    def __init__(self, sock, note):
-        self._sock = sock
-        self._note = note
-
-    def recv_multipart(self, *args, **kwargs):
-        msg = self._sock.recv_multipart(*args, **kwargs)
-        try:
-            self._note(msg)
-        except Exception:  # noqa: BLE001 - never end the bootstrap thread
-            logger.exception("nixl-ext: could not read a decode registration's pool sizes")
-        return msg
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-
-class _BoundsAppendingSocket:
-    """A decode socket that appends ``frame`` to registration messages only."""
-
-    def __init__(self, sock, frame: bytes):
-        self._sock = sock
-        self._frame = frame
-
-    def send_multipart(self, frames, *args, **kwargs):
-        frames = list(frames)
-        if len(frames) > 1 and bytes(frames[1]) == REGISTRATION_ROOM:
-            frames.append(self._frame)
-        return self._sock.send_multipart(frames, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
+def _is_registration(frames) -> bool:
+    return len(frames) > 1 and bytes(frames[1]) == REGISTRATION_ROOM
 
 
 def pool_bounds_frame(kv_args) -> Optional[bytes]:
@@ -946,17 +914,7 @@ class NixlExtKVReceiver(NixlKVReceiver):
         frame = pool_bounds_frame(self.kv_mgr.kv_args)
         if frame is None:
             return super()._register_kv_args()
-        connect = self._connect_to_bootstrap_server
-
-        def connect_appending(bootstrap_info):
-            sock, lock = connect(bootstrap_info)
-            return _BoundsAppendingSocket(sock, frame), lock
-
-        self._connect_to_bootstrap_server = connect_appending
-        try:
-            return super()._register_kv_args()
-        finally:
-            del self._connect_to_bootstrap_server
+        return register_appending(self, frame, _is_registration, super()._register_kv_args)
 
 
 # --- sender -------------------------------------------------------------------------------

@@ -10,12 +10,17 @@
 * :func:`note_peer_bounds`: prefill notes the pool sizes a decode registration
   published in its trailing frame (Mooncake F6/F9, NIXL destination bounds), or
   that a stock decode published none (said once per peer).
+* :class:`FilteringSocket` / :class:`FrameAppendingSocket`: where a release
+  gives the manager no hook around a message (the decode registration, the
+  status message), the socket stock reads or sends it through is wrapped, so
+  the plugin's trailing frame is added on one side and read (or taken off) on
+  the other before stock's code parses the message by position.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message
@@ -83,3 +88,74 @@ def note_peer_bounds(table: dict, unchecked: set, peer: str, msg, logger: loggin
     if peer not in unchecked:
         unchecked.add(peer)
         logger.info(unchecked_line, peer)
+
+
+class FilteringSocket:
+    """A manager's ZMQ socket whose received messages pass through ``on_message`` first.
+
+    ``on_message(msg)`` returns the message stock's loop then reads: ``None`` for
+    ``msg`` unchanged, or a copy without a frame this plugin added. Anything it
+    raises is logged and the message handed on unchanged: the stock loop reading
+    the socket (a bootstrap or decode thread) must never end on it. Every other
+    attribute is the socket's own.
+    """
+
+    def __init__(self, sock, on_message: Callable, logger: logging.Logger):
+        self._sock = sock
+        self._on_message = on_message
+        self._logger = logger
+
+    def recv_multipart(self, *args, **kwargs):
+        msg = self._sock.recv_multipart(*args, **kwargs)
+        try:
+            out = self._on_message(msg)
+        except Exception:  # noqa: BLE001 - never end the thread reading this socket
+            self._logger.exception("could not read the plugin's frames of a %d-frame message; handed on as sent",
+                                   len(msg))
+            return msg
+        return msg if out is None else out
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class FrameAppendingSocket:
+    """A socket that appends ``frame`` to the messages ``selects(frames)`` picks, and
+    sends every other message as given."""
+
+    def __init__(self, sock, frame: bytes, selects: Callable):
+        self._sock = sock
+        self._frame = frame
+        self._selects = selects
+
+    def send_multipart(self, frames, *args, **kwargs):
+        frames = list(frames)
+        if self._selects(frames):
+            frames.append(self._frame)
+        return self._sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def register_appending(receiver, frame: bytes, selects: Callable, register: Callable):
+    """Run ``register()`` (stock ``_register_kv_args`` of ``receiver``) with ``frame``
+    appended to the registration messages ``selects`` picks.
+
+    Stock sends one message per prefill rank through the sockets
+    ``receiver._connect_to_bootstrap_server`` hands out (a class-level cache); the
+    wrapper shadows that method on this receiver for this call only (decode's
+    scheduler thread, which is the only caller), so stock's frames go out
+    unchanged and in order and nothing else sees the wrapped sockets.
+    """
+    connect = receiver._connect_to_bootstrap_server
+
+    def connect_appending(bootstrap_info):
+        sock, lock = connect(bootstrap_info)
+        return FrameAppendingSocket(sock, frame, selects), lock
+
+    receiver._connect_to_bootstrap_server = connect_appending
+    try:
+        return register()
+    finally:
+        del receiver._connect_to_bootstrap_server

@@ -17,9 +17,9 @@ import pytest
 # F6, F9 and F10 are live there too but not covered before 0.5.23 (status "live, not covered").
 # F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.23.
 TRUTH = {
-    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F7", "F8"}, False),
-    "0.5.11": (True, {"F2", "F4", "F5", "F7", "F8"}, True),
-    "0.5.12.post1": (True, {"F3", "F4", "F5", "F7", "F8"}, True),
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8"}, False),
+    "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8"}, True),
+    "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8"}, True),
     "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12"}, True),
 }
 

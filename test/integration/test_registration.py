@@ -152,9 +152,16 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
         else "sglang.srt.disaggregation.mooncake.conn"
     )
     assert manager.__module__ == expected
-    # Sender, receiver and bootstrap server stay SGLang's for mooncake.
-    for kind in (utils.KVClassType.SENDER, utils.KVClassType.RECEIVER, utils.KVClassType.BOOTSTRAP_SERVER):
+    # Sender and bootstrap server stay SGLang's for mooncake. The receiver too, except
+    # where F6 is live without SGLang's registration hook (0.5.10.post1-0.5.12.x): there
+    # the plugin's receiver adds decode's pool sizes to the registration message.
+    for kind in (utils.KVClassType.SENDER, utils.KVClassType.BOOTSTRAP_SERVER):
         assert utils.get_kv_class(backend, kind).__module__ == "sglang.srt.disaggregation.mooncake.conn"
+    receiver = utils.get_kv_class(backend, utils.KVClassType.RECEIVER)
+    own_receiver = policy.routes("mooncake") and policy.is_live("F6") and not releases.features().mooncake_registration_hooks
+    assert receiver.__module__ == (
+        "sglang_disagg_ext.backends.mooncake_peers" if own_receiver else "sglang.srt.disaggregation.mooncake.conn"
+    )
 
 
 class _BackendComparison(ast.NodeVisitor):

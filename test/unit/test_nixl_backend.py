@@ -10,6 +10,7 @@
   index lies outside is named with the index and the pool size.
 """
 
+import logging
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import pytest
 import sglang.srt.disaggregation.nixl.conn as conn  # noqa: E402
 import sglang_disagg_ext.backends.nixl as nixl_ext  # noqa: E402
 
+from sglang_disagg_ext.backends.shared import FilteringSocket, FrameAppendingSocket  # noqa: E402
 from sglang_disagg_ext.core.head_slice import HeadLayoutError  # noqa: E402
 from sglang_disagg_ext.core.nixl_notif import failure_tag, with_sender_id  # noqa: E402
 from sglang_disagg_ext.core.nixl_quorum import RoomQuorum  # noqa: E402
@@ -233,7 +235,7 @@ def test_pool_bounds_frame_from_decode_kv_args():
 
 def test_appending_socket_touches_registrations_only():
     raw = RecordingSocket()
-    sock = nixl_ext._BoundsAppendingSocket(raw, b"FRAME")
+    sock = FrameAppendingSocket(raw, b"FRAME", nixl_ext._is_registration)
     sock.send_multipart(REGISTRATION)
     sock.send_multipart([b"GUARD", b"4242", b"127.0.0.1"])  # a room's metadata: unchanged
     sock.close()  # anything else reaches the real socket
@@ -249,7 +251,7 @@ def test_noting_socket_passes_messages_and_survives_its_note():
         raise RuntimeError("a bug in the note")
 
     raw = RecordingSocket(incoming=[REGISTRATION])
-    assert nixl_ext._RegistrationNotingSocket(raw, note).recv_multipart() == REGISTRATION
+    assert FilteringSocket(raw, note, logging.getLogger("test")).recv_multipart() == REGISTRATION
     assert seen == [REGISTRATION]
 
 

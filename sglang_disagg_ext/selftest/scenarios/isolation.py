@@ -144,6 +144,9 @@ def _stock_signature(result, policy) -> Optional[str]:
     in another registered buffer (seen on 0.5.23: KV buffer 3 page 3 overwritten by
     the write meant for buffer 2 page 40), depending on where the pools lie."""
     bad, good = result.requests[0], result.requests[1:]
+    carries_state = any(t != "none" for t in result.state_types)  # flat layout registers "none"
+    if carries_state and not releases.features().stock_mooncake_checks_state_send:
+        return _unchecked_state_signature(result)
     if bad.prefill_status != "Failed" or bad.decode_status != "Failed":
         return f"request 0: prefill={bad.prefill_status} decode={bad.decode_status}, the live bug fails it in the engine"
     if "Failed to send" not in (bad.prefill_failure_reason or ""):
@@ -157,6 +160,21 @@ def _stock_signature(result, policy) -> Optional[str]:
             return f"request {r.index}: prefill reason {r.prefill_failure_reason!r} is not the failed-session one"
         if r.decode_seconds is None or r.decode_seconds > FAILED_WITHIN_S:
             return f"request {r.index}: decode failed after {r.decode_seconds}s, not on prefill's status"
+    return None
+
+
+def _unchecked_state_signature(result) -> Optional[str]:
+    """Stock up to 0.5.12.x, a bad state page: the engine fails that one write, stock's
+    worker ignores ``maybe_send_extra``'s result and both sides report Success for
+    request 0, whose window state never landed; no session is marked, so the valid
+    requests pass. The bad index still reaches the engine, unchecked."""
+    bad, good = result.requests[0], result.requests[1:]
+    if bad.prefill_status != "Success" or bad.decode_status != "Success":
+        return (f"request 0: prefill={bad.prefill_status} decode={bad.decode_status}; stock that ignores the state "
+                "send's result reports Success")
+    for r in good:
+        if not r.ok:
+            return f"request {r.index}: not ok; an ignored state failure marks no session"
     return None
 
 
@@ -185,7 +203,8 @@ SCENARIOS = [
     BuiltinScenario(
         "bad swa state page, then 3 good",
         "F6",
-        "a decode SWA state page outside its pool, then 3 valid requests (stock: the session is blacklisted)",
+        "a decode SWA state page outside its pool, then 3 valid requests (stock: the session is blacklisted; "
+        "up to 0.5.12.x, which ignore the state send's result, Success without that page)",
         _bad_state,
         passed=_refused_then_served("bad swa state page, then 3 good"),
         signature=_stock_signature,
