@@ -12,6 +12,10 @@ VENV := .venv-$(SGLANG)
 endif
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist). Most tests spend their time waiting on the worker
+# processes and engines they start, so 4 keep a 2-core machine busy: the whole suite
+# ran in 444 s with 4 instead of ~650 s in one (0.5.23). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 4
 # patches/<release>/: the fixes as unified diffs against each release's sources.
 PATCH_RELEASES ?= $(sort $(notdir $(patsubst %/,%,$(dir $(wildcard patches/*/*.patch)))))
 PATCHED := .patched-$(SGLANG)
@@ -28,7 +32,7 @@ setup: $(VENV)/.sglang-release
 # SGLANG_DISAGG_EXT_REQUIRE_ALL=1 (set by .ci/run): a skip for a missing required part
 # (engine, MoRI stand-in, plugin module) fails instead (test/conftest.py).
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The CI matrix: every release with a live bug plus the pass-through smoke.
 # Every release runs even when an earlier one fails; the exit status says whether any did.
@@ -59,7 +63,7 @@ check-patches:
 test-patched: setup
 	rm -rf $(PATCHED)
 	$(PY) scripts/apply_patches.py $(SGLANG) $(PATCHED)
-	PYTHONPATH=$(CURDIR)/$(PATCHED) SGLANG_DISAGG_EXT_RETRACT_CYCLES=100 $(PY) -m pytest $(PATCHED_TESTS) $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(PATCHED) SGLANG_DISAGG_EXT_RETRACT_CYCLES=100 $(PY) -m pytest -n $(PYTEST_WORKERS) $(PATCHED_TESTS) $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/bench.txt
