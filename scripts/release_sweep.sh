@@ -23,6 +23,7 @@ tests=(
   test/integration/test_mooncake_threads.py
   test/integration/test_mooncake_ext.py
   test/integration/test_metrics.py
+  test/integration/test_mooncake_isolation.py
   ${SWEEP_EXTRA_TESTS:-}
 )
 status=0
@@ -38,7 +39,7 @@ for release in "$@"; do
     continue
   fi
   fixes=$("$venv/bin/python" -c 'from sglang_disagg_ext import releases as r; p = r.current_policy(); print(p.support.value, "live:", ",".join(p.active_fixes()) or "-")')
-  SGLANG_DISAGG_EXT_REQUIRE_ALL=1 "$venv/bin/python" -m pytest -q -rfs -p no:cacheprovider "${tests[@]}" >>"$log" 2>&1
+  SGLANG_DISAGG_EXT_REQUIRE_ALL=1 "$venv/bin/python" -m pytest -q -rfs -p no:cacheprovider -n "${PYTEST_WORKERS:-4}" "${tests[@]}" >>"$log" 2>&1
   rc=$?
   result=$(grep -E '^[=]* *[0-9]+ (passed|failed)|^[=]* *(no tests ran)' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')
   [ $rc -eq 0 ] || status=1

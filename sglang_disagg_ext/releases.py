@@ -14,26 +14,25 @@ release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10  
 0.5.10.post1     live  live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
 0.5.11           up    live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
 0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     per-component
-0.5.13 …         up    up    up    up    up    uncov.  live  live  uncov.  uncov.  n/a     per-component
+0.5.13 …         up    up    up    up    up    live    live  live  uncov.  uncov.  n/a     per-component
   0.5.21 [1]
-0.5.22           up    up    up    up    up    uncov.  live  live  uncov.  uncov.  uncov.  per-component
+0.5.22           up    up    up    up    up    live    live  live  uncov.  uncov.  uncov.  per-component
 0.5.23           up    up    up    up    up    live    live  live  live    live    live    per-component
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
 
 [1] each published release: 0.5.13, 0.5.13.post1, 0.5.14, 0.5.15, 0.5.15.post1,
 0.5.16, 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21. Every release 0.5.13-0.5.22 is
-active with F7/F8 live because a differential run on that release's wheel proved
+active with F6/F7/F8 live because a differential run on that release's wheel proved
 them (stock fails with the bug's signature, ``-ext`` passes):
 ``scripts/release_sweep.sh``, recorded in ``docs/release-sweep.md``. A release of
 that range without its own row (a later ``.postN``) passes through.
 
 "uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
 this plugin version has no adapter proven against its code, so ``-ext`` passes
-through there (F6 on 0.5.13-0.5.22: no differential run there yet; on
-0.5.10.post1-0.5.12.x the registration is built inside the receiver and
-prefill's bootstrap loop reads its socket directly, so ``-ext`` adds and reads
-the pool-sizes frame through the receiver and the socket, see
-``backends/mooncake_peers``). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
+through there (F6 on 0.5.10.post1-0.5.22: the registration is built inside the
+receiver and, up to 0.5.20, prefill's bootstrap loop reads its socket directly,
+so ``-ext`` adds and reads the pool-sizes frame through the receiver and the
+socket, see ``backends/mooncake_peers``). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
 F6 one failed KV send blacklists the decode session (0.5.10.post1
 mooncake/conn.py:1270-1271 ... 0.5.23 :2742-2745), no release checks destination
 indices against decode's pools, and no registration message carries them; F7
@@ -259,24 +258,25 @@ _ACTIVE_RELEASES = {
     "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _X, "F12": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _X, "F12": _X}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
 
 # 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
-# scripts/release_sweep.sh (docs/release-sweep.md); F6/F9 uncovered there (no
-# registration hooks before 0.5.23); F10 uncovered (the gate exists, but the F10
+# scripts/release_sweep.sh (docs/release-sweep.md), F6 too (its second sweep, with
+# test_mooncake_isolation.py); F9 uncovered there (no registration check to hook before
+# 0.5.23); F10 uncovered (the gate exists, but the F10
 # scenario's stand-in decode manager is 0.5.23's and fails to build there). The rest
 # (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
 # Mooncake bugs F6-F8 fix are live in every release of that range (read in each wheel:

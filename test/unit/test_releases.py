@@ -16,8 +16,8 @@ X = FixStatus.UNCOVERED
 # send, 0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.17 :1718-1719, 0.5.23 :2742-2745);
 # 0.5.13-0.5.22: F7/F8 proven by scripts/release_sweep.sh on every release of that range
 # (docs/release-sweep.md); F6 is
-# live on 0.5.10.post1-0.5.12.x and 0.5.23 (test_mooncake_isolation.py on each), uncovered on
-# 0.5.13-0.5.22 (no differential run there). F9/F10
+# live on every release: test_mooncake_isolation.py in CI (0.5.10.post1-0.5.12.post1, 0.5.23) and in the
+# release sweep (0.5.13-0.5.22). F9/F10
 # (metadata buffers paired by position; decode's metadata gate without a deadline) read in
 # every wheel: live; covered on 0.5.23 only (F10 before 0.5.13: the gate runs after the TP
 # all-reduce, so a per-rank deadline would desynchronise ranks). F11 (NIXL's head-sliced SWA
@@ -30,18 +30,18 @@ EXPECTED = [
     ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, X, X, N, X)),
     ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X)),
     ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, N, X)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, X, L, L, X, X, X, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, X, X)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L)),
 ]
 
