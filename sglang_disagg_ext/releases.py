@@ -463,7 +463,7 @@ class SGLangFeatures:
     def kv_status_codec(self) -> bool:
         """Whether Mooncake's status message goes through SGLang's common codec
         (``parse_kv_status_message`` / ``send_kv_status_message``, common/conn.py,
-        0.5.22+), which reads frames by position and ignores trailing ones. Older
+        0.5.20+), which reads frames by position and ignores trailing ones. Older
         decode loops unpack exactly three frames (0.5.12.post1 mooncake/conn.py)."""
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 

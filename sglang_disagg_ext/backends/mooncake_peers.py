@@ -13,13 +13,14 @@ Two ways in, by release (``releases.features().mooncake_registration_hooks``):
 
 * 0.5.23: stock's hooks, ``build_receiver_registration_message`` (decode) and
   ``_make_worker_recv`` (prefill's receive function);
-* 0.5.10.post1-0.5.12.x, where the receiver builds the registration itself and
-  prefill's bootstrap thread reads ``server_socket`` directly: the receiver
+* 0.5.10.post1-0.5.22, where the receiver builds the registration itself and
+  prefill's bootstrap thread reads ``server_socket`` (directly up to 0.5.20,
+  through ``_make_worker_recv`` from 0.5.21): the receiver
   (:class:`MooncakeExtKVReceiver`) sends stock's message through a socket that
   appends the frame, and prefill reads through a :class:`..shared.FilteringSocket`.
 
-Failure reasons to decode: 0.5.23's status message goes through SGLang's common
-codec, which carries a reason frame to any decode. Older decode loops unpack
+Failure reasons to decode: from 0.5.20 the status message goes through SGLang's
+common codec, which carries a reason frame to any decode. Older decode loops unpack
 exactly three frames (room, status, rank; 0.5.11 mooncake/conn.py:1474) and
 die on a fourth, so there prefill adds the reason only for a decode that
 published pool sizes (this plugin's decode, which takes the frame off before
@@ -119,7 +120,7 @@ class PeerPoolsMixin:
         # the scheduler thread (single dict operations, no lock needed).
         self._peer_bounds = {}
         self._unchecked_peers = set()
-        # Prefill, before 0.5.22's codec: (host, port) of each decode that
+        # Prefill, before 0.5.20's codec: (host, port) of each decode that
         # published pool sizes (so it reads a reason frame). Decode: room -> the
         # reason prefill sent with its Failed status, until stock records it.
         self._reason_endpoints = set()
@@ -168,10 +169,12 @@ class PeerPoolsMixin:
 
         Contract: prefill only; the stock constructor calls it once, after
         ``CommonKVManager.__init__`` bound ``server_socket`` and before any decode
-        can register. Up to 0.5.12.x the thread reads ``self.server_socket`` on
-        every message (no ``_make_worker_recv``), so the wrapper sees each one
-        first and hands it on unchanged; it must never raise into that thread.
-        On 0.5.23 ``_make_worker_recv`` does this and the socket is left alone.
+        can register. Up to 0.5.22 the thread reads ``self.server_socket`` on
+        every message (0.5.21-0.5.22 through ``_make_worker_recv`` of it), so the
+        wrapper sees each one first and hands it on unchanged; it must never
+        raise into that thread. On 0.5.23 (the decode publishes through
+        ``build_receiver_registration_message``) ``_make_worker_recv`` notes it
+        and the socket is left alone.
         """
         if not releases.features().mooncake_registration_hooks:
             self.server_socket = FilteringSocket(self.server_socket, self._note_if_registration, logger)
@@ -193,7 +196,7 @@ class PeerPoolsMixin:
             "its metadata buffers are checked by count only",
         )
         if releases.features().kv_status_codec:
-            return  # 0.5.22+: stock's status message carries the reason to any decode
+            return  # 0.5.20+: stock's status message carries the reason to any decode
         try:
             endpoint = (bytes(msg[1]).decode("ascii"), int(bytes(msg[2]).decode("ascii")))
         except (UnicodeDecodeError, ValueError):
@@ -222,7 +225,7 @@ class PeerPoolsMixin:
                 reason = self.failure_records.get(room)
         if reason is None or releases.features().kv_status_codec:
             return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
-        # Stock's frames (0.5.10.post1-0.5.12.x sync_status_to_decode_endpoint, identical in each), plus the reason.
+        # Stock's frames (sync_status_to_decode_endpoint up to 0.5.19, the same three in each), plus the reason.
         from sglang.srt.utils.network import NetworkAddress
 
         na = NetworkAddress(remote, dst_port)
@@ -236,11 +239,11 @@ class PeerPoolsMixin:
 
         Contract: decode only; the stock constructor calls it once, after
         ``server_socket`` is bound and before any prefill knows this decode. Up to
-        0.5.12.x the thread reads ``self.server_socket`` on every message and
+        0.5.19 the thread reads ``self.server_socket`` on every message and
         unpacks a status message as exactly three frames: the wrapper removes the
         fourth an ``-ext`` prefill adds and keeps the reason for
         :meth:`record_failure`, handing every other message on unchanged. It must
-        never raise into that thread. 0.5.22+ parse the reason themselves.
+        never raise into that thread. 0.5.20+ parse the reason themselves.
         """
         if not releases.features().kv_status_codec:
             self.server_socket = FilteringSocket(self.server_socket, self._take_reason_frame, logger)
@@ -268,7 +271,7 @@ class PeerPoolsMixin:
 
 
 class MooncakeExtKVReceiver(MooncakeKVReceiver):
-    """Stock receiver whose registration also carries decode's pool sizes (0.5.10.post1-0.5.12.x)."""
+    """Stock receiver whose registration also carries decode's pool sizes (0.5.10.post1-0.5.22)."""
 
     def _register_kv_args(self):
         """Stock registration, with one trailing pool-bounds frame.
