@@ -31,15 +31,13 @@ be dead"); a stock decode gets stock's three frames.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, register_appending
-from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, encode_frame
+from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.thread_survival import prefill_unique_rank
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.peers")
@@ -51,30 +49,8 @@ REGISTRATION = b"None"
 REASON_PREFIX = b"sglang-disagg-ext:reason:"
 
 
-def pool_bounds_frame(kv_args) -> Optional[bytes]:
-    """Decode's KV, aux and state pool sizes as one trailing registration frame; None
-    (and one error line) if they cannot be read: the registration still goes out, the
-    peer then runs unchecked.
-
-    Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
-    buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
-    ``kv_args.state_type``, its buffers listed directly.
-    """
-    state_data = list(getattr(kv_args, "state_data_lens", None) or [])
-    state_item = list(getattr(kv_args, "state_item_lens", None) or [])
-    if state_data and not isinstance(state_data[0], (list, tuple)):
-        state_data, state_item = [state_data], [state_item]
-    try:
-        bounds = bounds_of(kv_args.kv_data_lens, kv_args.kv_item_lens, kv_args.aux_data_lens,
-                           kv_args.aux_item_lens, state_data, state_item)
-    except (IndexBoundsError, AttributeError, TypeError) as exc:
-        logger.error("not publishing pool sizes to prefill: %s", exc)
-        return None
-    return encode_frame(bounds)
-
-
 def state_kinds_of(kv_args) -> list:
-    """Each state component's kind ("swa", "nsa", ...), in :func:`pool_bounds_frame`'s order."""
+    """Each state component's kind ("swa", "nsa", ...), in :func:`..shared.pool_bounds_frame`'s order."""
     kinds = getattr(kv_args, "state_types", None)
     if kinds is None:  # flat layout: one component
         kind = getattr(kv_args, "state_type", "none")
@@ -138,7 +114,7 @@ class PeerPoolsMixin:
         (a stock prefill parses them by position and ignores what follows).
         """
         frames = list(super().build_receiver_registration_message())
-        frame = pool_bounds_frame(self.kv_args)
+        frame = pool_bounds_frame(self.kv_args, logger)
         return frames if frame is None else frames + [frame]
 
     # -- prefill: read them -----------------------------------------------------
@@ -283,7 +259,7 @@ class MooncakeExtKVReceiver(MooncakeKVReceiver):
         position (``KVArgsRegisterInfo.from_zmq``, up to its staging fields) and
         never reads the trailing one.
         """
-        frame = pool_bounds_frame(self.kv_mgr.kv_args)
+        frame = pool_bounds_frame(self.kv_mgr.kv_args, logger)
         if frame is None:
             return super()._register_kv_args()
         return register_appending(self, frame, _is_registration, super()._register_kv_args)

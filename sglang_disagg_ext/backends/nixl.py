@@ -97,8 +97,8 @@ from sglang_disagg_ext.core.head_slice import (
     head_bytes_from_item_len,
     resolve_total_kv_heads,
 )
-from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, register_appending
-from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_of, check_destination, encode_frame
+from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
+from sglang_disagg_ext.core.index_bounds import check_destination
 from sglang_disagg_ext.core.nixl_notif import aux_room, failure_tag, parse_failure_tag, with_sender_id
 from sglang_disagg_ext.core.nixl_quorum import AUX, RoomQuorum
 from sglang_disagg_ext.releases import ReleasePolicy
@@ -887,17 +887,6 @@ def _is_registration(frames) -> bool:
     return len(frames) > 1 and bytes(frames[1]) == REGISTRATION_ROOM
 
 
-def pool_bounds_frame(kv_args) -> Optional[bytes]:
-    """Decode's KV and aux pool sizes as a trailing registration frame; None if they cannot be read."""
-    try:
-        bounds = bounds_of(kv_args.kv_data_lens, kv_args.kv_item_lens,
-                           kv_args.aux_data_lens, kv_args.aux_item_lens, [], [])
-    except (IndexBoundsError, AttributeError, TypeError) as exc:
-        logger.error("nixl-ext: not publishing pool sizes to prefill: %s", exc)
-        return None
-    return encode_frame(bounds)
-
-
 class NixlExtKVReceiver(NixlKVReceiver):
     """Stock receiver; its registration message carries decode's pool sizes too."""
 
@@ -911,7 +900,7 @@ class NixlExtKVReceiver(NixlKVReceiver):
         in order (a stock prefill parses them by position and never reads past
         its own fields); the socket is wrapped for this call only.
         """
-        frame = pool_bounds_frame(self.kv_mgr.kv_args)
+        frame = pool_bounds_frame(self.kv_mgr.kv_args, logger, state=False)
         if frame is None:
             return super()._register_kv_args()
         return register_appending(self, frame, _is_registration, super()._register_kv_args)

@@ -10,6 +10,8 @@
 * :func:`note_peer_bounds`: prefill notes the pool sizes a decode registration
   published in its trailing frame (Mooncake F6/F9, NIXL destination bounds), or
   that a stock decode published none (said once per peer).
+* :func:`pool_bounds_frame`: what a decode publishes (Mooncake F6/F9 with its
+  state pools, NIXL without).
 * :class:`FilteringSocket` / :class:`FrameAppendingSocket`: where a release
   gives the manager no hook around a message (the decode registration, the
   status message), the socket stock reads or sends it through is wrapped, so
@@ -23,7 +25,7 @@ import logging
 from typing import Callable, Optional, Tuple
 
 from sglang_disagg_ext import metrics
-from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message
+from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message, bounds_of, encode_frame
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 _TRIMS_LOGGED = EveryInterval(60.0)
@@ -68,6 +70,28 @@ def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: 
         return True, response.json().get(key)
     except Exception:  # noqa: BLE001 - an answer that is not JSON: no version
         return True, None
+
+
+def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True) -> Optional[bytes]:
+    """Decode's KV and aux pool sizes (and, with ``state``, its state pools') as one
+    trailing registration frame; None (and one error line on ``logger``) if they cannot
+    be read: the registration still goes out, the peer then runs unchecked.
+
+    Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
+    buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
+    ``kv_args.state_type``, its buffers listed directly.
+    """
+    state_data = list(getattr(kv_args, "state_data_lens", None) or []) if state else []
+    state_item = list(getattr(kv_args, "state_item_lens", None) or []) if state else []
+    if state_data and not isinstance(state_data[0], (list, tuple)):
+        state_data, state_item = [state_data], [state_item]
+    try:
+        bounds = bounds_of(kv_args.kv_data_lens, kv_args.kv_item_lens, kv_args.aux_data_lens,
+                           kv_args.aux_item_lens, state_data, state_item)
+    except (IndexBoundsError, AttributeError, TypeError) as exc:
+        logger.error("not publishing pool sizes to prefill: %s", exc)
+        return None
+    return encode_frame(bounds)
 
 
 def note_peer_bounds(table: dict, unchecked: set, peer: str, msg, logger: logging.Logger, what: str,

@@ -17,7 +17,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.backends import mooncake_peers as peers
-from sglang_disagg_ext.backends.shared import FilteringSocket
+from sglang_disagg_ext.backends.shared import FilteringSocket, pool_bounds_frame
 from sglang_disagg_ext.core.index_bounds import decode_frame
 
 pytestmark = pytest.mark.timeout(10)
@@ -80,7 +80,7 @@ def test_flat_layout_state_is_one_component():
     kv_args = SimpleNamespace(kv_data_lens=[1024, 1024], kv_item_lens=[128, 128], aux_data_lens=[640],
                               aux_item_lens=[64], state_data_lens=[800, 1600], state_item_lens=[100, 200],
                               state_type="swa")
-    bounds = decode_frame(peers.pool_bounds_frame(kv_args))
+    bounds = decode_frame(pool_bounds_frame(kv_args, peers.logger))
     assert (bounds.kv, bounds.aux, bounds.state) == (8, 10, (8,))
     assert peers.state_kinds_of(kv_args) == ["swa"]
 
@@ -90,7 +90,7 @@ def test_per_component_state_and_no_state():
     kinds = [SimpleNamespace(value="swa"), SimpleNamespace(value="nsa")]
     kv_args = SimpleNamespace(kv_data_lens=[512], kv_item_lens=[128], aux_data_lens=[64], aux_item_lens=[64],
                               state_data_lens=[[800], [300]], state_item_lens=[[100], [100]], state_types=kinds)
-    bounds = decode_frame(peers.pool_bounds_frame(kv_args))
+    bounds = decode_frame(pool_bounds_frame(kv_args, peers.logger))
     assert (bounds.kv, bounds.aux, bounds.state) == (4, 1, (8, 3))
     assert peers.state_kinds_of(kv_args) == ["swa", "nsa"]
     flat_none = SimpleNamespace(state_type="none")
@@ -101,7 +101,7 @@ def test_unreadable_pool_sizes_publish_nothing(caplog):
     # A zero item length cannot give a page count: no frame, one error line, registration still goes out.
     kv_args = SimpleNamespace(kv_data_lens=[512], kv_item_lens=[0], aux_data_lens=[], aux_item_lens=[])
     with caplog.at_level(logging.ERROR, logger="sglang_disagg_ext.mooncake.peers"):
-        assert peers.pool_bounds_frame(kv_args) is None
+        assert pool_bounds_frame(kv_args, peers.logger) is None
     assert "not publishing pool sizes" in caplog.text
 
 

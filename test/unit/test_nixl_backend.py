@@ -21,7 +21,7 @@ import pytest
 import sglang.srt.disaggregation.nixl.conn as conn  # noqa: E402
 import sglang_disagg_ext.backends.nixl as nixl_ext  # noqa: E402
 
-from sglang_disagg_ext.backends.shared import FilteringSocket, FrameAppendingSocket  # noqa: E402
+from sglang_disagg_ext.backends.shared import FilteringSocket, FrameAppendingSocket, pool_bounds_frame  # noqa: E402
 from sglang_disagg_ext.core.head_slice import HeadLayoutError  # noqa: E402
 from sglang_disagg_ext.core.nixl_notif import failure_tag, with_sender_id  # noqa: E402
 from sglang_disagg_ext.core.nixl_quorum import RoomQuorum  # noqa: E402
@@ -227,10 +227,10 @@ def test_pool_bounds_frame_from_decode_kv_args():
     # Aux: 2 buffers, 64 bytes / 8-byte rows = 8 rows and 96 / 16 = 6 rows -> 6.
     kv_args = SimpleNamespace(kv_data_lens=[4096, 3584], kv_item_lens=[512, 512],
                               aux_data_lens=[64, 96], aux_item_lens=[8, 16])
-    b = decode_frame(nixl_ext.pool_bounds_frame(kv_args))
+    b = decode_frame(pool_bounds_frame(kv_args, nixl_ext.logger, state=False))
     assert (b.kv, b.aux, b.state, b.aux_item_lens) == (7, 6, (), (8, 16))
-    assert nixl_ext.pool_bounds_frame(SimpleNamespace(kv_data_lens=[1], kv_item_lens=[0],
-                                                      aux_data_lens=[], aux_item_lens=[])) is None
+    assert pool_bounds_frame(SimpleNamespace(kv_data_lens=[1], kv_item_lens=[0], aux_data_lens=[], aux_item_lens=[]),
+                             nixl_ext.logger, state=False) is None
 
 
 def test_appending_socket_touches_registrations_only():

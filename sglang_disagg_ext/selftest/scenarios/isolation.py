@@ -164,7 +164,7 @@ def _stock_signature(result, policy) -> Optional[str]:
 
 
 def _unchecked_state_signature(result) -> Optional[str]:
-    """Stock up to 0.5.12.x, a bad state page: the engine fails that one write, stock's
+    """Stock up to 0.5.16, a bad state page: the engine fails that one write, stock's
     worker ignores ``maybe_send_extra``'s result and both sides report Success for
     request 0, whose window state never landed; no session is marked, so the valid
     requests pass. The bad index still reaches the engine, unchecked."""
@@ -204,7 +204,7 @@ SCENARIOS = [
         "bad swa state page, then 3 good",
         "F6",
         "a decode SWA state page outside its pool, then 3 valid requests (stock: the session is blacklisted; "
-        "up to 0.5.12.x, which ignore the state send's result, Success without that page)",
+        "up to 0.5.16, which ignore the state send's result, Success without that page)",
         _bad_state,
         passed=_refused_then_served("bad swa state page, then 3 good"),
         signature=_stock_signature,
