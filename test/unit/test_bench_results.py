@@ -195,3 +195,17 @@ def test_format_table_aligns_columns():
     assert head.split() == ["item", "case", "stock/raw", "ext", "ratio", "target", "met?"]
     assert row.index("long case name") == head.index("case")
     assert [len(g) for g in rule.split("  ")] == [4, 14, 9, 4, 5, 7, 4]  # widest cell per column
+
+
+@pytest.mark.timeout(30)
+def test_committed_results_file_has_the_shape_and_every_figure_from_its_samples():
+    """The ``bench/results.json`` in the repository (the README's table) is a whole run's output:
+    every required key, and every ratio and CPU figure recomputes from the samples it lists."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results.json"
+    data = json.loads(path.read_text())
+    res.validate(data)
+    res.check_samples(data)
+    assert data["quick"] is False, "the committed results must come from a full `make bench`, not --quick"
