@@ -16,7 +16,7 @@ release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10  
 0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     per-component
 0.5.13 …         up    up    up    up    up    live    live  live  uncov.  uncov.  n/a     per-component
   0.5.21 [1]
-0.5.22           up    up    up    up    up    live    live  live  uncov.  uncov.  uncov.  per-component
+0.5.22           up    up    up    up    up    live    live  live  uncov.  uncov.  live    per-component
 0.5.23           up    up    up    up    up    live    live  live  live    live    live    per-component
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
 
@@ -52,7 +52,11 @@ raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
 (nixl/conn.py:941, :2640; common/conn.py:1617) and in 0.5.23 (:1311, :2969;
 :1802-1806; bootstrap thread logs and re-raises, :3415-3426); up to 0.5.21 there
 is no head-sliced SWA path (stock refuses different TP sizes for SWA per request,
-F4's era): n/a. 0.5.22 has the code but no adapter proven there: uncovered.
+F4's era): n/a. 0.5.22: live, 0.5.23's adapter applies (0.5.22's decode listener has
+no CHUNK_READY message, and its NixlKVReceiver.poll also concludes Success from NIXL
+notifications, so a dead listener loses prefill's Failed messages: the listener
+case there is the failed-room one), proven by test_nixl_newest.py and the F11
+selftest rows on the 0.5.22 wheel.
 F12 (MoRI mori/conn.py of every wheel read; not in the table above: uncovered in
 every row but 0.5.23, live there): metadata rows go out as ``AUX_DATA`` messages
 on another ZMQ socket than the room's status (0.5.10.post1/0.5.11: a new socket
@@ -269,7 +273,7 @@ _ACTIVE_RELEASES = {
     "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _X, "F12": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _L, "F12": _X}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
 
@@ -512,6 +516,17 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
         return all(hasattr(MooncakeKVManager, n) for n in ("build_receiver_registration_message", "_make_worker_recv"))
+
+    @functools.cached_property
+    def nixl_success_via_listener_only(self) -> bool:
+        """Whether a NIXL decode learns a room's Success only from prefill's ``KV_STATUS``
+        message on its listener thread (0.5.23: ``NixlKVReceiver.poll`` reads
+        ``check_status`` alone, nixl/conn.py). Up to 0.5.22 ``poll`` also drains NIXL
+        notifications and concludes Success itself (``check_transfer_done``, 0.5.22
+        nixl/conn.py:3496-3520), so a dead listener loses only prefill's Failed messages."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+
+        return "check_transfer_done" not in inspect.getsource(stock_callable(NixlKVReceiver, "poll"))
 
     # -- process setup ------------------------------------------------------------
 

@@ -977,7 +977,7 @@ class NixlExtKVSender(NixlKVSender):
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.nixl`` to route to the plugin.
 
-    Where F11 is live (0.5.23) that is ``backends.nixl_newest``'s manager alone.
+    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl_newest``'s manager alone.
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -986,7 +986,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     if not policy.routes("nixl"):
         return {}
     if policy.is_live("F11"):
-        # 0.5.23: F4 is upstream; only F11 is composed over stock's manager
+        # 0.5.22, 0.5.23: F4 is upstream; only F11 is composed over stock's manager
         # (stock's sender reports the conclusions F11 makes).
         from sglang_disagg_ext.backends.nixl_newest import NixlNewestKVManager
 

@@ -1,6 +1,13 @@
-"""``nixl-ext`` on 0.5.23 (F11): stock ``NixlKVManager`` with three narrow changes.
+"""``nixl-ext`` on 0.5.22 and 0.5.23 (F11): stock ``NixlKVManager`` with narrow changes.
 
-F4 (head slices, notification keys, memory kinds) is upstream in 0.5.23, so
+Line numbers below are 0.5.23's; 0.5.22 has the same code (nixl/conn.py:875 hetero-TP prep,
+:1656 ``_add_remote_peer``, :3270 the bootstrap thread's log-and-re-raise, :657 the decode
+listener; common/conn.py:784 ``apply_prefill_status``), except that its decode listener has
+no ``CHUNK_READY`` message (``handle_chunk_ready`` is 0.5.23's: the override below is never
+called there) and its ``NixlKVReceiver.poll`` also concludes Success from NIXL notifications,
+so a dead listener loses prefill's Failed messages rather than every status.
+
+F4 (head slices, notification keys, memory kinds) is upstream in 0.5.22 and 0.5.23, so
 nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
 
 * **Registration check** (``_add_remote_peer``, bootstrap thread): before stock
@@ -64,7 +71,7 @@ logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
 class NixlNewestKVManager(NixlKVManager):
-    """Stock 0.5.23 NIXL manager with F11; see the module docstring."""
+    """Stock 0.5.22/0.5.23 NIXL manager with F11; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler

@@ -1,4 +1,4 @@
-"""F11 on real NIXL (UCX over 127.0.0.1), 0.5.23: stock ``nixl`` vs ``nixl-ext``, P x D rank processes.
+"""F11 on real NIXL (UCX over 127.0.0.1), 0.5.22 and 0.5.23: stock ``nixl`` vs ``nixl-ext``, P x D rank processes.
 
 Each case runs the same scenario (``selftest/scenarios/nixl_newest.py``, where
 every expected text is derived by hand) on stock and on ``-ext``. Decode ranks
@@ -6,8 +6,9 @@ check every element of the heads they hold on every destination page and that
 every other page still holds the sentinel. Both sides register host memory
 through the harness's shim (``harness/nixl_shim.py``): 0.5.23's stock memory
 handling, which F11 keeps, refuses host memory across TP sizes before any code
-F11 is about runs. Nothing in the code under test is replaced; the one
-injection is the registration-fault case's prefill hook
+F11 is about runs. Nothing in the code under test is replaced; the
+injections are the hooks of ``test/support/prefill_faults.py``, each replacing one manager
+method on the instance: the registration-fault case's prefill hook
 (``test/support/prefill_faults.py::raise_in_registration``: stock
 ``_add_remote_peer``'s call to ``_prepare_payload_xfer`` raises once, for
 decode TP rank 0, the narrowest point inside one registration).
@@ -38,12 +39,19 @@ HOOK = {"SGLANG_HARNESS_PREFILL_HOOK": os.path.join(SUPPORT, "prefill_faults.py"
 DECODE_HOOK = {
     "SGLANG_HARNESS_DECODE_MANAGER_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.DECODE_MANAGER_HOOK
 }
+# The failed-room listener case: prefill's send_aux raises for room 1000 (prefill fails the room
+# and sends Failed), decode's record_failure raises once while handling that Failed message.
+FAILED_ROOM_HOOKS = {
+    "SGLANG_HARNESS_PREFILL_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.FAILED_ROOM_PREFILL_HOOK,
+    "SGLANG_HARNESS_DECODE_MANAGER_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.FAILED_ROOM_DECODE_HOOK,
+}
 RUN_BOUND_S = 240  # stock and ext run of one case: startup, requests, teardown
 
 
 @functools.lru_cache(maxsize=None)
 def run(builder: str, args: tuple, backend: str, hook=False):
-    env = {nixl_shim.ENV: "1", **({"decode": DECODE_HOOK}.get(hook, HOOK) if hook else {})}
+    env = {nixl_shim.ENV: "1", **({"decode": DECODE_HOOK, "failed-room": FAILED_ROOM_HOOKS}.get(hook, HOOK)
+                                  if hook else {})}
     result = run_scenario(getattr(S, builder)(*args), backend, extra_env=env)
     assert result.prefill_manager == (EXT_MANAGER if backend == "nixl-ext" else STOCK_MANAGER), result.describe()
     return result
@@ -88,6 +96,21 @@ def assert_stock_timed_out(result, p: int, d: int, thread_error: str):
         assert "timed out after 5.0s in KVPoll.Bootstrapping" in r.prefill_failure_reason, result.describe()
         assert "timed out after 5.0s in KVPoll.WaitingForInput" in r.decode_failure_reason, result.describe()
         assert r.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, result.describe()
+
+
+def assert_listener_survived(ext, prefill_status: str, reason: str):
+    """-ext: room 1000 ended on prefill with ``prefill_status`` and Failed on decode with ``reason``
+    at once, nothing written outside its pages; room 1001 Success with every byte checked (the
+    listener served after the fault); no thread died; one decode-listener recovery counted."""
+    bad, good = ext.requests
+    assert (bad.prefill_status, bad.decode_status) == (prefill_status, "Failed"), ext.describe()
+    assert bad.decode_failure_reason == reason, ext.describe()
+    assert bad.decode_seconds < S.FAILED_WITHIN_S, ext.describe()
+    assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
+    assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
+    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
+    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="decode_listener"} 1.0'
+    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics
 
 
 SWA_TOPOLOGIES = [(2, 1), (1, 2), (1, 4), (1, 1)]
@@ -155,6 +178,9 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
 
 
 @pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(not releases.features().nixl_success_via_listener_only,
+                    reason="decode concludes Success from NIXL notifications on this release, so a fault in "
+                           "the Success message's handler is never reached; the failed-room case covers it")
 def test_decode_listener_survives_a_status_handler_that_raises():
     """Stock: the injected exception kills decode's listener thread; both rooms then end on decode
     only by SGLang's 5 s waiting timeout. -ext: room 1000 Failed on decode at once with the
@@ -168,13 +194,25 @@ def test_decode_listener_survives_a_status_handler_that_raises():
         assert "timed out after 5.0s in KVPoll.WaitingForInput" in r.decode_failure_reason, stock.describe()
         assert r.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, stock.describe()
 
-    ext = run("listener_fault", (), "nixl-ext", "decode")
-    bad, good = ext.requests
-    assert (bad.prefill_status, bad.decode_status) == ("Success", "Failed"), ext.describe()
-    assert bad.decode_failure_reason == S.LISTENER_FAULT_REASON, ext.describe()
-    assert bad.decode_seconds < S.FAILED_WITHIN_S, ext.describe()
-    assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
-    assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
-    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="decode_listener"} 1.0'
-    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics
+    assert_listener_survived(run("listener_fault", (), "nixl-ext", "decode"), "Success", S.LISTENER_FAULT_REASON)
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+def test_decode_listener_survives_a_failure_handler_that_raises():
+    """Prefill fails room 1000 (its send_aux raises after the KV pages went out) and tells decode;
+    decode's handler of that Failed message raises once. Stock: the exception kills decode's
+    listener thread, so decode learns nothing of the failure and room 1000 ends on decode only by
+    SGLang's 5 s waiting timeout. -ext: room 1000 Failed on decode at once with the listener fault
+    in the reason, counted as one decode-listener recovery; room 1001 Success with every byte
+    checked. Both hooks replace one method on the manager instance (``test/support``); nothing
+    of the code under test is replaced."""
+    stock = run("listener_fault", (), "nixl", "failed-room")
+    assert any(f"(decode_listener_thread): InjectedFault: {S.FAILED_ROOM_FAULT}" in t
+               for t in stock.requests[0].thread_errors), stock.describe()
+    bad = stock.requests[0]
+    assert (bad.prefill_status, bad.decode_status) == ("Failed", "Failed"), stock.describe()
+    assert "timed out after 5.0s in KVPoll.WaitingForInput" in bad.decode_failure_reason, stock.describe()
+    assert bad.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, stock.describe()
+
+    assert_listener_survived(run("listener_fault", (), "nixl-ext", "failed-room"), "Failed",
+                             S.FAILED_ROOM_FAULT_REASON)

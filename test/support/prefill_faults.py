@@ -1,7 +1,7 @@
 """Test-only manager hooks: one manager method raises once, for one room.
 
-Prefill hooks go in ``SGLANG_HARNESS_PREFILL_HOOK``; ``raise_on_status_success``
-is a decode hook (``SGLANG_HARNESS_DECODE_MANAGER_HOOK``).
+Prefill hooks go in ``SGLANG_HARNESS_PREFILL_HOOK``; ``raise_on_status_success`` and
+``raise_on_failure_record`` are decode hooks (``SGLANG_HARNESS_DECODE_MANAGER_HOOK``).
 
 Loaded by the harness worker in the prefill process right after the manager
 exists (``worker._run_prefill_hook``); each hook shadows one method on that
@@ -48,6 +48,24 @@ def raise_in_send_aux(mgr) -> None:
     mgr.send_aux = send_aux
 
 
+FAULT_AUX_INDEX_ENV = "SGLANG_HARNESS_FAULT_AUX_INDEX"
+
+
+def raise_in_nixl_send_aux(mgr) -> None:
+    """NIXL: the transfer worker's ``send_aux`` raises once for one prefill aux row (after the
+    room's KV handles were posted). NIXL's ``send_aux(peer_name, prefill_aux_index, ...)`` names
+    no room, so the row does: ``SGLANG_HARNESS_FAULT_AUX_INDEX`` (default 1, room 1000's row in
+    ``scenarios.nixl_newest.listener_fault``)."""
+    row, take, stock = int(os.environ.get(FAULT_AUX_INDEX_ENV, "1")), _once(), mgr.send_aux
+
+    def send_aux(peer_name, prefill_aux_index, *args, **kwargs):
+        if prefill_aux_index == row and take():
+            raise InjectedFault(f"injected fault: send_aux for aux row {row}")
+        return stock(peer_name, prefill_aux_index, *args, **kwargs)
+
+    mgr.send_aux = send_aux
+
+
 def raise_on_waiting_for_input(mgr) -> None:
     """The bootstrap thread's ``update_status(room, WaitingForInput)`` raises: decode's
     pre-alloc message for the room is registered, the handler fails before the room is ready."""
@@ -90,3 +108,18 @@ def raise_on_status_success(mgr) -> None:
         return stock(bootstrap_room, status, *args, **kwargs)
 
     mgr.update_status = update_status
+
+
+def raise_on_failure_record(mgr) -> None:
+    """Decode: ``record_failure(room, ...)`` raises once. On NIXL (0.5.22, 0.5.23) that call comes
+    from ``apply_prefill_status`` on the decode listener thread, handling prefill's Failed
+    message for the room (``KV_STATUS``): the one way a NIXL decode learns of a prefill-side
+    failure on every release that has the listener."""
+    room, take, stock = _room(), _once(), mgr.record_failure
+
+    def record_failure(bootstrap_room, *args, **kwargs):
+        if bootstrap_room == room and take():
+            raise InjectedFault(f"injected fault: decode failure handler for room {room}")
+        return stock(bootstrap_room, *args, **kwargs)
+
+    mgr.record_failure = record_failure

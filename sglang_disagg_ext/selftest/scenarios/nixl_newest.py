@@ -1,4 +1,4 @@
-"""F11 scenarios: NIXL on 0.5.23, prefill and decode TP sizes differ (non-MLA, head-sliced path).
+"""F11 scenarios: NIXL on 0.5.22 and 0.5.23, prefill and decode TP sizes differ (non-MLA, head-sliced path).
 
 One process per rank, real UCX over 127.0.0.1, CPU pools registered through the
 harness's host-memory shim on both sides (``harness/nixl_shim.py``: 0.5.23's
@@ -67,6 +67,10 @@ FAILED_WITHIN_S = 2.5
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 PREFILL_HOOK = "raise_in_registration"
 DECODE_MANAGER_HOOK = "raise_on_status_success"
+# The failed-room variant: prefill fails room 1000 (its send_aux raises, after the KV pages went
+# out), decode's handler of that Failed message raises.
+FAILED_ROOM_PREFILL_HOOK = "raise_in_nixl_send_aux"
+FAILED_ROOM_DECODE_HOOK = "raise_on_failure_record"
 
 
 def swa_unequal(p: int, d: int) -> Scenario:
@@ -171,6 +175,11 @@ def listener_fault() -> Scenario:
 
 
 LISTENER_FAULT = "injected fault: decode status handler for room 1000"
+FAILED_ROOM_FAULT = "injected fault: decode failure handler for room 1000"
+FAILED_ROOM_FAULT_REASON = (
+    f"nixl-ext (F11) decode listener: apply_prefill_status raised InjectedFault: {FAILED_ROOM_FAULT}; "
+    "the room is failed, the thread keeps serving"
+)
 LISTENER_FAULT_REASON = (
     f"nixl-ext (F11) decode listener: apply_prefill_status raised InjectedFault: {LISTENER_FAULT}; "
     "the room is failed, the thread keeps serving"
@@ -220,12 +229,32 @@ def listener_survived(result) -> bool:
     )
 
 
+def failed_room_listener_survived(result) -> bool:
+    """Passed: room 1000 Failed on both sides, on decode with the listener-fault reason within
+    FAILED_WITHIN_S (not SGLang's waiting timeout), nothing written outside its pages; room 1001
+    ok (byte-checked); no thread died."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    return (
+        (bad.prefill_status, bad.decode_status) == ("Failed", "Failed")
+        and bad.decode_failure_reason == FAILED_ROOM_FAULT_REASON
+        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
+        and not any("must be untouched" in m for m in bad.mismatches)
+        and good.ok
+        and not any(r.thread_errors for r in result.requests)
+    )
+
+
 def _all_ok(result) -> bool:
     return result.ok
 
 
 def _stock_fails_where_live(policy) -> str:
     return "fail" if policy.is_live("F11") else "pass"
+
+
+SUCCESS_VIA_LISTENER_ROW = "decode listener raises on Success tp1->tp1"
 
 
 def _rows():
@@ -238,14 +267,26 @@ def _rows():
     out.append(row("swa heads differ tp2->tp1 refused at registration", swa_heads, refused_ok(SWA_HEADS_REASON)))
     out.append(row("registration raises tp1->tp2", registration_fault, refused_ok(REGISTRATION_FAULT_REASON),
                    prefill_hook=PREFILL_HOOK))
-    out.append(row("decode listener raises tp1->tp1", listener_fault, listener_survived,
-                   decode_hook=DECODE_MANAGER_HOOK))
+    out.append(row(SUCCESS_VIA_LISTENER_ROW, listener_fault, listener_survived, decode_hook=DECODE_MANAGER_HOOK))
+    out.append(row("decode listener raises on Failed tp1->tp1", listener_fault, failed_room_listener_survived,
+                   prefill_hook=FAILED_ROOM_PREFILL_HOOK, decode_hook=FAILED_ROOM_DECODE_HOOK))
     return out
+
 
 
 SCENARIOS = _rows()
 
 
 def nixl_scenarios(policy) -> list:
-    """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.23), else F4's."""
-    return list(SCENARIOS) if policy.is_live("F11") else builtin_scenarios()
+    """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.22, 0.5.23), else F4's.
+
+    The Success-message listener row runs only where that message is decode's one source of
+    Success (0.5.23); on 0.5.22 decode concludes Success from NIXL notifications itself, so the
+    fault it injects is never reached there (the Failed-message row covers that release)."""
+    if not policy.is_live("F11"):
+        return builtin_scenarios()
+    from sglang_disagg_ext import releases
+
+    if releases.features().nixl_success_via_listener_only:
+        return list(SCENARIOS)
+    return [s for s in SCENARIOS if s.name != SUCCESS_VIA_LISTENER_ROW]
