@@ -58,12 +58,15 @@ notifications, so a dead listener loses prefill's Failed messages: the listener
 case there is the failed-room one), proven by test_nixl_newest.py and the F11
 selftest rows on the 0.5.22 wheel.
 F12 (MoRI mori/conn.py of every wheel read; not in the table above: uncovered in
-every row but 0.5.23, live there): metadata rows go out as ``AUX_DATA`` messages
+every row but 0.5.22 and 0.5.23, live there): metadata rows go out as ``AUX_DATA`` messages
 on another ZMQ socket than the room's status (0.5.10.post1/0.5.11: a new socket
 per message, ``_connect`` :752 vs :417; 0.5.12+: per-thread
 ``_connect_threadsafe``, 0.5.23 :837-857 / :1610-1624 vs common/conn.py:1709),
 and decode drops a row whose bytes disagree with their declared length
-(0.5.10.post1 :774 ... 0.5.23 :1980). Proven (stand-in engine) on 0.5.23 only.
+(0.5.10.post1 :774 ... 0.5.23 :1980). Proven (stand-in engine) on 0.5.23 and on
+0.5.22, whose metadata path is 0.5.23's (send_aux_tcp :1556, _handle_aux_data :1932)
+but whose decode registration has no manager hook (probe mori_registration_hook):
+the receiver appends the row-size frame there.
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
 head replicas by modulo (nixl/conn.py:1002-1004), keys KV tags on the TP rank only
@@ -273,7 +276,7 @@ _ACTIVE_RELEASES = {
     "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _L, "F12": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _L, "F12": _L}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
 
@@ -527,6 +530,16 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
 
         return "check_transfer_done" not in inspect.getsource(stock_callable(NixlKVReceiver, "poll"))
+
+    @functools.cached_property
+    def mori_registration_hook(self) -> bool:
+        """Whether MoRI's decode registration message is built by the manager hook
+        ``build_receiver_registration_message`` (0.5.23 mori/conn.py:2076, sent by
+        ``CommonKVReceiver._register_kv_args``). On 0.5.22 ``MoriKVReceiver._register_kv_args``
+        builds and sends it itself (mori/conn.py:2165-2217)."""
+        from sglang.srt.disaggregation.mori.conn import MoriKVManager
+
+        return hasattr(MoriKVManager, "build_receiver_registration_message")
 
     # -- process setup ------------------------------------------------------------
 

@@ -1,4 +1,12 @@
-"""``mori-ext`` on 0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
+"""``mori-ext`` on 0.5.22 and 0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
+
+Line numbers below are 0.5.23's. 0.5.22 has the same metadata path (``send_aux_tcp``
+:1556, ``_send_aux_data_to_endpoint`` :1577, ``_handle_aux_data`` :1932, the common
+status push over ``_send_multipart_locked``) and the same registration frames
+(``KVArgsRegisterInfo.from_zmq`` reads positions 1-16 after the guard, :224-259), but no
+``build_receiver_registration_message`` hook: there the receiver sends the message itself
+(``MoriKVReceiver._register_kv_args``, :2165-2217), and the row-size frame is appended to
+that message on its way out (:meth:`MoriOrderedKVReceiver._register_kv_args`).
 
 F3 (per-component state) is upstream in 0.5.23, so nothing of :mod:`backends.mori`
 runs here. SGLang's default ("TCP") metadata path sends each metadata buffer's
@@ -50,8 +58,8 @@ from sglang.srt.disaggregation.common.utils import AuxDataCodec
 from sglang.srt.disaggregation.mori import conn as _conn
 from sglang.srt.utils.network import NetworkAddress
 
-from sglang_disagg_ext import activation_log, metrics
-from sglang_disagg_ext.backends.shared import probe_prefill_version
+from sglang_disagg_ext import activation_log, metrics, releases
+from sglang_disagg_ext.backends.shared import probe_prefill_version, register_appending
 from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
 
 logger = logging.getLogger("sglang_disagg_ext.mori")
@@ -60,12 +68,14 @@ FIX = "F12"
 ORDER_ROUTE = "/sglang_disagg_ext/mori_aux_order"
 ORDER_VERSION = 1
 PROBE_TIMEOUT_S = 5.0
-# SGLang 0.5.23's registration message: the guard then 17 frames (mori/conn.py:2098-2117).
+# SGLang's registration message: the guard then 17 frames (0.5.23 mori/conn.py:2098-2117,
+# 0.5.22 :2196-2216), the first of them the room field "None".
 STOCK_REGISTRATION_FRAMES = 17
+REGISTRATION_ROOM = b"None"
 
 
 class MoriOrderedKVManager(_conn.MoriKVManager):
-    """Stock 0.5.23 MoRI manager with F12; see the module docstring."""
+    """Stock 0.5.22/0.5.23 MoRI manager with F12; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
@@ -81,7 +91,8 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
 
     # -- registration --------------------------------------------------------------------------------
     def build_receiver_registration_message(self) -> List[bytes]:
-        """Stock registration plus one frame with this decode's metadata row sizes.
+        """Stock registration plus one frame with this decode's metadata row sizes (0.5.23;
+        on 0.5.22 SGLang never calls it: the receiver appends the frame instead).
 
         Contract: decode scheduler thread, from ``CommonKVReceiver._register_kv_args``
         the first time this manager meets a prefill. A stock prefill reads the
@@ -221,6 +232,20 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
 
 
 class MoriOrderedKVReceiver(_conn.MoriKVReceiver):
+    def _register_kv_args(self) -> bool:
+        """Stock registration; where the manager has no registration hook (0.5.22), with
+        this decode's metadata row sizes appended as one frame.
+
+        Contract: decode scheduler thread, from stock ``init`` the first time this
+        receiver meets its prefill ranks; sends one registration message per prefill
+        rank through ``_connect_to_bootstrap_server``. Stock's frames go out unchanged
+        and in order (a stock prefill reads positions 1-16 and ignores the extra one).
+        """
+        if releases.features().mori_registration_hook:
+            return super()._register_kv_args()  # the manager's hook adds the frame (0.5.23)
+        frame = encode_aux_item_lens(self.kv_mgr.kv_args.aux_item_lens)
+        return register_appending(self, frame, _is_registration, super()._register_kv_args)
+
     def init(self, prefill_dp_rank: int):
         """Contract: decode scheduler thread, once per request, once the prefill DP
         rank is known. The probe before stock ``init`` blocks at most
@@ -254,6 +279,12 @@ class MoriOrderedKVBootstrapServer(_conn.MoriKVBootstrapServer):
         from aiohttp import web
 
         return web.json_response({"plugin": "sglang_disagg_ext", "backend": "mori-ext", "aux_order_version": ORDER_VERSION})
+
+
+def _is_registration(frames) -> bool:
+    """A stock registration message: the guard, the room field "None", then 16 more frames."""
+    return (len(frames) == 1 + STOCK_REGISTRATION_FRAMES and bytes(frames[0]) == _conn.MORI_GUARD
+            and bytes(frames[1]) == REGISTRATION_ROOM)
 
 
 def ext_classes() -> Dict[str, type]:
