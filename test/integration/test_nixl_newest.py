@@ -36,23 +36,19 @@ pytestmark = [
 EXT_MANAGER = "sglang_disagg_ext.backends.nixl_newest.NixlNewestKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
-HOOK = {"SGLANG_HARNESS_PREFILL_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.PREFILL_HOOK}
-DECODE_HOOK = {
-    "SGLANG_HARNESS_DECODE_MANAGER_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.DECODE_MANAGER_HOOK
-}
-# The failed-room listener case: prefill's send_aux raises for room 1000 (prefill fails the room
-# and sends Failed), decode's record_failure raises once while handling that Failed message.
-FAILED_ROOM_HOOKS = {
-    "SGLANG_HARNESS_PREFILL_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.FAILED_ROOM_PREFILL_HOOK,
-    "SGLANG_HARNESS_DECODE_MANAGER_HOOK": os.path.join(SUPPORT, "prefill_faults.py") + ":" + S.FAILED_ROOM_DECODE_HOOK,
-}
+FAULTS = os.path.join(SUPPORT, "prefill_faults.py")
 RUN_BOUND_S = 240  # stock and ext run of one case: startup, requests, teardown
 
 
 @functools.lru_cache(maxsize=None)
-def run(builder: str, args: tuple, backend: str, hook=False):
-    env = {nixl_shim.ENV: "1", **({"decode": DECODE_HOOK, "failed-room": FAILED_ROOM_HOOKS}.get(hook, HOOK)
-                                  if hook else {})}
+def run(builder: str, args: tuple, backend: str, prefill_hook: str = "", decode_hook: str = ""):
+    """One run of ``builder(*args)``; a hook named here replaces one manager method on that side
+    (``test/support/prefill_faults.py``), as the selftest rows do (``scenarios.nixl_rows``)."""
+    env = {nixl_shim.ENV: "1"}
+    if prefill_hook:
+        env["SGLANG_HARNESS_PREFILL_HOOK"] = f"{FAULTS}:{prefill_hook}"
+    if decode_hook:
+        env["SGLANG_HARNESS_DECODE_MANAGER_HOOK"] = f"{FAULTS}:{decode_hook}"
     result = run_scenario(getattr(S, builder)(*args), backend, extra_env=env)
     assert result.prefill_manager == (EXT_MANAGER if backend == "nixl-ext" else STOCK_MANAGER), result.describe()
     return result
@@ -178,8 +174,8 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
     rank 0 is refused with the exception as the reason, counted as one bootstrap-thread recovery;
     both rooms Failed on both sides at once, which needs the thread alive after the fault (decode
     rank 1's registration and both rooms' messages come after it)."""
-    assert_stock_timed_out(run("registration_fault", (), "nixl", True), 1, 2, f"InjectedFault: {S.FAULT}")
-    ext = run("registration_fault", (), "nixl-ext", True)
+    assert_stock_timed_out(run("registration_fault", (), "nixl", S.PREFILL_HOOK), 1, 2, f"InjectedFault: {S.FAULT}")
+    ext = run("registration_fault", (), "nixl-ext", S.PREFILL_HOOK)
     assert_refused_at_once(ext, 1, 2, S.REGISTRATION_FAULT_REASON)
     metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
     assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
@@ -194,7 +190,7 @@ def test_decode_listener_survives_a_status_handler_that_raises():
     only by SGLang's 5 s waiting timeout. -ext: room 1000 Failed on decode at once with the
     exception in the reason (prefill had concluded it Success), counted as one decode-listener
     recovery; room 1001 Success with every byte checked, so the listener served after the fault."""
-    stock = run("listener_fault", (), "nixl", "decode")
+    stock = run("listener_fault", (), "nixl", decode_hook=S.DECODE_MANAGER_HOOK)
     assert any(f"(decode_listener_thread): InjectedFault: {S.LISTENER_FAULT}" in t
                for t in stock.requests[0].thread_errors), stock.describe()
     for r in stock.requests:
@@ -202,7 +198,8 @@ def test_decode_listener_survives_a_status_handler_that_raises():
         assert timed_out(r.decode_failure_reason, "WaitingForInput"), stock.describe()
         assert r.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, stock.describe()
 
-    assert_listener_survived(run("listener_fault", (), "nixl-ext", "decode"), "Success", S.LISTENER_FAULT_REASON)
+    assert_listener_survived(run("listener_fault", (), "nixl-ext", decode_hook=S.DECODE_MANAGER_HOOK), "Success",
+                             S.LISTENER_FAULT_REASON)
 
 
 @pytest.mark.timeout(RUN_BOUND_S)
@@ -214,7 +211,7 @@ def test_decode_listener_survives_a_failure_handler_that_raises():
     in the reason, counted as one decode-listener recovery; room 1001 Success with every byte
     checked. Both hooks replace one method on the manager instance (``test/support``); nothing
     of the code under test is replaced."""
-    stock = run("listener_fault", (), "nixl", "failed-room")
+    stock = run("listener_fault", (), "nixl", S.FAILED_ROOM_PREFILL_HOOK, S.FAILED_ROOM_DECODE_HOOK)
     assert any(f"(decode_listener_thread): InjectedFault: {S.FAILED_ROOM_FAULT}" in t
                for t in stock.requests[0].thread_errors), stock.describe()
     bad = stock.requests[0]
@@ -222,5 +219,5 @@ def test_decode_listener_survives_a_failure_handler_that_raises():
     assert timed_out(bad.decode_failure_reason, "WaitingForInput"), stock.describe()
     assert bad.decode_seconds >= S.TIMEOUTS.sglang_waiting_s - 0.5, stock.describe()
 
-    assert_listener_survived(run("listener_fault", (), "nixl-ext", "failed-room"), "Failed",
-                             S.FAILED_ROOM_FAULT_REASON)
+    ext = run("listener_fault", (), "nixl-ext", S.FAILED_ROOM_PREFILL_HOOK, S.FAILED_ROOM_DECODE_HOOK)
+    assert_listener_survived(ext, "Failed", S.FAILED_ROOM_FAULT_REASON)
