@@ -50,6 +50,8 @@ before any code F11 is about runs). Expected texts are written out by hand:
 
 from __future__ import annotations
 
+import dataclasses
+
 from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
     RequestSpec,
@@ -162,6 +164,15 @@ def registration_fault() -> Scenario:
     )
 
 
+# Each side runs its rooms one after another. On stock, decode starts room 1001 only when
+# room 1000 has waited out the 5 s waiting timeout, while prefill's room 1001 has been
+# bootstrapping since room 1000 ended: with a 5 s bootstrap timeout the two raced (decode
+# registered 1001 at +4.94 s; on a loaded machine prefill timed it out first, clean-clone CI
+# of e52cf56). Prefill's bootstrap timeout is three waiting timeouts here, so that harness
+# artefact never decides room 1001; the waiting timeout, which the tests measure, is unchanged.
+LISTENER_FAULT_TIMEOUTS = dataclasses.replace(TIMEOUTS, sglang_bootstrap_s=3 * TIMEOUTS.sglang_waiting_s)
+
+
 def listener_fault() -> Scenario:
     return Scenario(
         name="nixl decode listener raises tp1->tp1",
@@ -170,7 +181,7 @@ def listener_fault() -> Scenario:
             RequestSpec([3], [7], aux_index=2, dst_aux_index=3),
         ],
         kv=KVPoolSpec(num_pages=9, head_num=2, head_dim=HEAD_DIM),
-        timeouts=TIMEOUTS,
+        timeouts=LISTENER_FAULT_TIMEOUTS,
     )
 
 
