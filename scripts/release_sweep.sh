@@ -17,15 +17,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 logs=${SWEEP_LOG_DIR:-/tmp/sweep}
 mkdir -p "$logs"
 cd "$root"
-tests=(
-  test/unit
+# SWEEP_TESTS replaces the default list (a sweep for one fix); SWEEP_EXTRA_TESTS adds to it.
+default_tests="test/unit
   test/integration/test_mooncake_state_pairing.py
   test/integration/test_mooncake_threads.py
   test/integration/test_mooncake_ext.py
   test/integration/test_metrics.py
-  test/integration/test_mooncake_isolation.py
-  ${SWEEP_EXTRA_TESTS:-}
-)
+  test/integration/test_mooncake_isolation.py"
+tests=(${SWEEP_TESTS:-$default_tests} ${SWEEP_EXTRA_TESTS:-})
 status=0
 summaries=()
 for release in "$@"; do

@@ -265,26 +265,26 @@ _ACTIVE_RELEASES = {
     "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
     "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _L, "F12": _L}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _L, "F12": _L}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
 
 # 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
 # scripts/release_sweep.sh (docs/release-sweep.md), F6 too (its second sweep, with
-# test_mooncake_isolation.py); F9 uncovered there (no registration check to hook before
-# 0.5.23); F10 uncovered (the gate exists, but the F10
-# scenario's stand-in decode manager is 0.5.23's and fails to build there). The rest
+# test_mooncake_isolation.py), F10 too (the gate, utils._apply_metadata_gate, read in every
+# wheel: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244; test_metadata_gate.py in the sweep);
+# F9 uncovered there (no registration check to hook before 0.5.23). The rest
 # (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
 # Mooncake bugs F6-F8 fix are live in every release of that range (read in each wheel:
 # session blacklisted after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284,
@@ -581,6 +581,19 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.utils import MetadataBuffers
 
         return "max_sampling_mask_tokens" in init_parameters(MetadataBuffers)
+
+    @functools.cached_property
+    def metadata_gate_needs_server_args(self) -> bool:
+        """Whether decode's metadata gate runs only when ``poll_and_all_reduce`` gets
+        ``server_args`` (0.5.13-0.5.18: the gate's fake-transfer check reads the backend
+        name from it; 0.5.19+ take no ``server_args`` and gate on ``decode_reqs`` and
+        ``metadata_buffers`` alone)."""
+        from sglang.srt.disaggregation import utils as dutils
+
+        # Read on the caller, which nothing replaces (F10 replaces the gate function itself).
+        caller = getattr(dutils, "poll_and_all_reduce", None)
+        return (hasattr(dutils, "_apply_metadata_gate") and caller is not None
+                and "server_args" in inspect.signature(caller).parameters)
 
     @functools.cached_property
     def pd_kv_layout(self) -> bool:

@@ -36,6 +36,10 @@ On a multi-rank decode each rank keeps its own clock; the gate runs before the
 MIN all-reduce of the polls, so the first rank whose deadline passes fails the
 request on every rank in the same iteration and the ranks' queues stay equal.
 
+The gate function, its two callers and the queue's Failed path are the same
+from 0.5.13 (utils.py:78; the queue releases KV pages through
+``release_kv_cache`` before 0.5.22 instead of ``_release_request``, which this
+module never calls), so F10 is live from there.
 Releases up to 0.5.12.post1 hold the request inside
 ``DecodeTransferQueue._commit_transfer_to_req`` instead (``elif actual_room ==
 0: return False``, 0.5.12.post1 decode.py:1412-1415); this module does not

@@ -14,14 +14,18 @@ import pytest
 # (allocator.py:524). F6-F8 (Mooncake) read in each wheel: live in all four, e.g. one failed
 # KV send blacklists the session (0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.11 :1275-1276,
 # 0.5.12.post1 :1323-1324, 0.5.23 :2742-2745).
-# F6, F9 and F10 are live there too but not covered before 0.5.23 (status "live, not covered").
+# F9 and F10 are live there too but not covered before 0.5.23 (status "live, not covered"); F10
+# is covered from 0.5.13 (the metadata gate function exists there), so on 0.5.22 too.
+# 0.5.13-0.5.21 (the release sweep runs this file there): the Mooncake fixes F6-F8 and F10.
 # F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.22
 # (not in the CI matrix; the release sweep runs this file there) and 0.5.23.
 TRUTH = {
     "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8"}, False),
     "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8"}, True),
-    "0.5.22": (True, {"F6", "F7", "F8", "F11", "F12"}, True),
+    **{r: (True, {"F6", "F7", "F8", "F10"}, True) for r in (
+        "0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")},
+    "0.5.22": (True, {"F6", "F7", "F8", "F10", "F11", "F12"}, True),
     "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12"}, True),
 }
 
@@ -67,8 +71,10 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
 # Verified transfers (issue 16), by hand: Mooncake only, where mooncake-ext routes and SGLang's
 # common status codec carries a trailing frame (0.5.23 common/conn.py:757-784; the three older
 # releases' decode loops unpack exactly three status frames).
+# The codec from 0.5.20 (0.5.20 common/conn.py parse_kv_status_message; 0.5.13-0.5.19 unpack three).
 VERIFY_AVAILABLE = {"0.5.10.post1": set(), "0.5.11": set(), "0.5.12.post1": set(), "0.5.22": {"mooncake-ext"},
-                    "0.5.23": {"mooncake-ext"}}
+                    "0.5.23": {"mooncake-ext"}, "0.5.20": {"mooncake-ext"}, "0.5.21": {"mooncake-ext"},
+                    **{r: set() for r in ("0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19")}}
 
 
 @pytest.mark.timeout(150)

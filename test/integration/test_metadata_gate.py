@@ -18,13 +18,18 @@ A full two-process harness scenario is not used: the harness's decode worker
 polls the receiver itself and has no transfer queue, so SGLang's gate never
 runs there; adding a queue to it would mean more stand-ins, not fewer.
 
-Where F10 is not live here (0.5.10.post1 - 0.5.12.post1, where the gate is
-``DecodeTransferQueue._commit_transfer_to_req``, F10 "live, not covered"), the
-plugin installs nothing; the tests that need the 0.5.23 gate are n/a.
+F10 is live from 0.5.13, the first release with the gate function; its queue
+differs per release (0.5.13-0.5.18 pass ``server_args`` to the gate, releases
+before 0.5.20 handle prefill's status inline, before 0.5.22 the KV pages are
+released through ``release_kv_cache``): the scenario module says which stand-in
+covers which. Where F10 is not live here (0.5.10.post1 - 0.5.12.post1, where the
+gate is ``DecodeTransferQueue._commit_transfer_to_req``, F10 "live, not
+covered"), the plugin installs nothing; the tests that need the gate are n/a.
 """
 
 import gc
 import re
+import types
 
 import pytest
 
@@ -48,6 +53,17 @@ GATE_IN_UTILS = {
     "0.5.11": False,  # decode.py:1205
     "0.5.12": False,
     "0.5.12.post1": False,  # decode.py:1412-1415
+    # 0.5.13-0.5.18: a fourth argument, server_args (fake-transfer check); 0.5.19+: three.
+    "0.5.13": True,  # utils.py:78
+    "0.5.14": True,  # utils.py:78
+    "0.5.15": True,  # utils.py:103
+    "0.5.16": True,  # utils.py:111
+    "0.5.17": True,  # utils.py:143
+    "0.5.18": True,  # utils.py:187
+    "0.5.19": True,  # utils.py:180
+    "0.5.20": True,  # utils.py:212
+    "0.5.21": True,  # utils.py:173
+    "0.5.22": True,  # utils.py:244
     "0.5.23": True,  # utils.py:245-260, called by poll_and_all_reduce (:316) and ..._with_staging (:367)
 }
 DEADLINE = scenario.DEADLINE_S
@@ -165,8 +181,11 @@ def test_gate_changes_only_a_held_success_past_its_deadline(ext, timeout_s, expe
     reqs, buffers, mgr = _gate_inputs()
     with scenario.waiting_timeout(timeout_s), metadata_gate.metadata_gate_deadline(enabled=ext):
         # What DecodeTransferQueue._poll_with_metadata_gate calls; one rank, so no reduction.
+        extra = {}
+        if releases.features().metadata_gate_needs_server_args:  # 0.5.13-0.5.18
+            extra["server_args"] = types.SimpleNamespace(disaggregation_transfer_backend="mooncake")
         polls = utils.poll_and_all_reduce([r.kv_receiver for r in reqs], scenario._one_rank_group(),
-                                          decode_reqs=reqs, metadata_buffers=buffers)
+                                          decode_reqs=reqs, metadata_buffers=buffers, **extra)
     assert polls == expected
     if expected[5] == 0:
         assert list(mgr.failure_records) == [9005]

@@ -19,8 +19,10 @@ X = FixStatus.UNCOVERED
 # live on every release: test_mooncake_isolation.py in CI (0.5.10.post1-0.5.12.post1, 0.5.23) and in the
 # release sweep (0.5.13-0.5.22). F9/F10
 # (metadata buffers paired by position; decode's metadata gate without a deadline) read in
-# every wheel: live; covered on 0.5.23 only (F10 before 0.5.13: the gate runs after the TP
-# all-reduce, so a per-rank deadline would desynchronise ranks). F11 (NIXL's head-sliced SWA
+# every wheel: live; F9 covered on 0.5.23 only, F10 on 0.5.13-0.5.23 (the gate function
+# utils._apply_metadata_gate exists from 0.5.13: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244;
+# before 0.5.13 the gate runs after the TP all-reduce, so a per-rank deadline would
+# desynchronise ranks). F11 (NIXL's head-sliced SWA
 # path and the asserting hetero-TP prep on the bootstrap thread) read in every wheel: absent up
 # to 0.5.21 (n/a), present in 0.5.22 (nixl/conn.py:941, :2640; uncovered) and 0.5.23 (live).
 # F12 (MoRI metadata rows on another socket than the status, rows of the wrong length dropped)
@@ -30,18 +32,18 @@ EXPECTED = [
     ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, X, X, N, X)),
     ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X)),
     ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, N, X)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, X, L, L)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, L, L)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L)),
 ]
 

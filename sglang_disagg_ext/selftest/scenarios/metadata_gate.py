@@ -11,7 +11,8 @@ per iteration. Everything on the path the fix touches is SGLang's code:
   ext run) -> the MIN all-reduce over a real one-rank gloo process group;
 * the request's receiver is a real ``MooncakeKVReceiver`` (its own ``__init__``
   and ``poll``), whose room reaches Success through the manager's real
-  decode-side handler of prefill's status message (``apply_prefill_status``);
+  decode-side handler of prefill's status message (``apply_prefill_status``,
+  0.5.20+; see below for older releases);
 * a real ``MetadataBuffers`` (CPU), a real ``ReqToMetadataIdxAllocator``, a real
   ``Req`` in a real ``DecodeRequest``; a landing row is written with the
   buffers' own ``set_buf``; Failed is handled by the queue's own Failed branch
@@ -24,15 +25,25 @@ Minimal stand-ins, only for what needs a running server:
   sockets, starts threads and a transfer engine); it holds only the decode-side
   room tables its receiver and status handler use, set as ``__init__`` sets
   them on decode, plus ``required_prefill_response_num_table[room] = 1`` as
-  ``receiver.init`` sets it from a one-rank prefill;
+  ``receiver.init`` sets it from a one-rank prefill, and (0.5.13-0.5.19, whose
+  receiver asks for it in ``__init__``) an engine that only answers
+  ``get_session_id``;
+* before 0.5.20 the decode side handles prefill's status inline in the
+  manager's ``decode_thread`` loop (a socket read, no method to call); there
+  the scenario does what that loop's Success branch does for a one-rank prefill
+  (the rank into ``prefill_response_tracker``, then ``update_status(room,
+  Success)``, 0.5.13 mooncake/conn.py:1516-1531). The gate, the fix's
+  boundary, sees the same Success either way;
 * the queue is made without ``__init__`` (which reads the parallel and disagg
   config a server publishes); its attributes are set as ``__init__`` sets them
   for one attention-TP rank, without host receive, staging or deferred release;
 * the scheduler is a namespace with the five things the queue reads from it
   (hicache off, metrics off, no checksum, an output streamer that records, a
-  reasoning-token hook that does nothing); the tree cache only has ``unlock``;
-  ``_release_request`` (which frees KV pages through the tree cache) records
-  the call instead.
+  reasoning-token hook that does nothing, the server args the 0.5.13-0.5.18
+  gate reads for its fake-transfer check); the tree cache only has ``unlock``;
+  releasing the request's KV pages (``_release_request`` from 0.5.22, the
+  decode module's ``release_kv_cache`` before it; both free pages through the
+  tree cache) records the call instead.
 
 Cases (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` set to a short deadline):
 
@@ -223,11 +234,51 @@ def _manager(waiting_timeout_s: int):
     mgr.enable_staging = False
     mgr._staging_handler = None
     mgr.required_prefill_response_num_table = {}
-    mgr.prefill_response_tracker = {}
+    # defaultdict(set) up to 0.5.22, a plain dict in 0.5.23 (whose code only uses get,
+    # setdefault and pop on it, which a defaultdict answers the same way).
+    mgr.prefill_response_tracker = defaultdict(set)
     mgr.addr_to_rooms_tracker = defaultdict(set)
     mgr.enable_deferred_decode_kv_release = False
     mgr.waiting_timeout = waiting_timeout_s
+    # 0.5.13-0.5.19: MooncakeKVReceiver.__init__ asks the transfer engine for its session id.
+    mgr.engine = types.SimpleNamespace(get_session_id=lambda: "127.0.0.1:1")
     return mgr
+
+
+def _deliver_success(mgr, room: int) -> None:
+    """Prefill's one-rank "transfer done" message, handled on decode as the release does."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if hasattr(mgr, "apply_prefill_status"):  # 0.5.20+: the decode thread's own handler
+        mgr.apply_prefill_status(bootstrap_room=room, status=KVPoll.Success, prefill_rank=0)
+        return
+    # Before 0.5.20 that handler is inline in decode_thread's socket loop; its Success
+    # branch for a one-rank prefill (see the module docstring).
+    mgr.prefill_response_tracker[room].add(0)
+    if len(mgr.prefill_response_tracker[room]) == mgr.required_prefill_response_num_table[room]:
+        mgr.update_status(room, KVPoll.Success)
+
+
+@contextlib.contextmanager
+def _recorded_release(queue):
+    """Record, instead of doing, the release of the request's KV pages (a tree cache's job).
+
+    Yields the recorder. 0.5.22+ release through the queue's ``_release_request``;
+    earlier releases call the decode module's ``release_kv_cache`` by name.
+    """
+    from sglang.srt.disaggregation import decode
+
+    recorder = _Recorder()
+    if hasattr(type(queue), "_release_request"):
+        queue._release_request = recorder
+        yield recorder
+        return
+    original = decode.release_kv_cache
+    decode.release_kv_cache = recorder
+    try:
+        yield recorder
+    finally:
+        decode.release_kv_cache = original
 
 
 class _Recorder:
@@ -251,6 +302,9 @@ def _queue(metadata_buffers, allocator):
         output_streamer=types.SimpleNamespace(stream_output=_Recorder()),
         batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
         disagg_decode_prealloc_queue=None,
+        hisparse_coordinator=None,
+        # 0.5.13-0.5.18's gate skips fake transfers by the server's backend name.
+        server_args=types.SimpleNamespace(disaggregation_transfer_backend="mooncake"),
     )
     queue = object.__new__(DecodeTransferQueue)
     queue.queue = []
@@ -268,7 +322,6 @@ def _queue(metadata_buffers, allocator):
     queue.enable_deferred_kv_release = False
     queue.deferred_kv_release_timeout = 0
     queue._deferred_releases = []
-    queue._release_request = _Recorder()  # frees KV pages through the tree cache in SGLang
     return queue
 
 
@@ -354,56 +407,57 @@ def _run(report: GateReport, case: str, deadline_s: int) -> None:
     req = _req(ROOM)
     decode_req = DecodeRequest(req=req, kv_receiver=receiver, metadata_buffer_index=idx)
     queue = _queue(buffers, allocator)
-    queue.queue.append(decode_req)
+    with _recorded_release(queue) as released:
+        queue.queue.append(decode_req)
 
-    def pop() -> List:
-        return queue.pop_transferred()
+        def pop() -> List:
+            return queue.pop_transferred()
 
-    transferred: List = []
-    if case == "landed":
-        # A slow transfer: queued for longer than the deadline before Success.
-        t_slow = time.monotonic() + 1.2 * deadline_s
-        while time.monotonic() < t_slow and queue.queue:
+        transferred: List = []
+        if case == "landed":
+            # A slow transfer: queued for longer than the deadline before Success.
+            t_slow = time.monotonic() + 1.2 * deadline_s
+            while time.monotonic() < t_slow and queue.queue:
+                transferred += pop()
+                time.sleep(POLL_S)
+            if not queue.queue:
+                raise RuntimeError("the request left the queue before its transfer reported Success")
+        # Prefill's "transfer done" message, through the manager's own decode-side handler.
+        _deliver_success(mgr, ROOM)
+        t_success = time.monotonic()
+        lands_at = t_success + 0.6 * deadline_s if case == "landed" else None
+        bound = t_success + STOCK_BOUND_FACTOR * deadline_s
+        landed = False
+        while queue.queue and time.monotonic() < bound:
+            if lands_at is not None and not landed and time.monotonic() >= lands_at:
+                # The row lands (what the aux transfer writes), before this iteration's poll.
+                buffers.set_buf(_meta_req(idx, TOKEN, HIDDEN_SIZE, ROOM))
+                landed = True
             transferred += pop()
-            time.sleep(POLL_S)
-        if not queue.queue:
-            raise RuntimeError("the request left the queue before its transfer reported Success")
-    # Prefill's "transfer done" message, through the manager's own decode-side handler.
-    mgr.apply_prefill_status(bootstrap_room=ROOM, status=KVPoll.Success, prefill_rank=0)
-    t_success = time.monotonic()
-    lands_at = t_success + 0.6 * deadline_s if case == "landed" else None
-    bound = t_success + STOCK_BOUND_FACTOR * deadline_s
-    landed = False
-    while queue.queue and time.monotonic() < bound:
-        if lands_at is not None and not landed and time.monotonic() >= lands_at:
-            # The row lands (what the aux transfer writes), before this iteration's poll.
-            buffers.set_buf(_meta_req(idx, TOKEN, HIDDEN_SIZE, ROOM))
-            landed = True
-        transferred += pop()
+            if queue.queue:
+                time.sleep(POLL_S)
+        report.seconds = round(time.monotonic() - t_success, 3)
+        report.row_room = int(buffers.bootstrap_room[idx, 0].item())
+        if decode_req.kv_receiver is not None:  # the queue drops it once the request leaves
+            report.receiver_poll = poll_name(receiver.poll())
         if queue.queue:
-            time.sleep(POLL_S)
-    report.seconds = round(time.monotonic() - t_success, 3)
-    report.row_room = int(buffers.bootstrap_room[idx, 0].item())
-    if decode_req.kv_receiver is not None:  # the queue drops it once the request leaves
-        report.receiver_poll = poll_name(receiver.poll())
-    if queue.queue:
-        report.outcome = "queued"
-        if not installed_here():  # stock only: the ext gate would act on what it is asked
-            report.gate_poll = poll_name(queue._poll_with_metadata_gate()[0])
-    elif transferred:
-        report.outcome = "transferred"
-        report.committed_output_ids = list(req.output_ids)
-    else:
-        report.outcome = "failed"
-    finished = req.finished_reason
-    report.abort_message = getattr(finished, "message", None) if finished is not None else None
-    report.released = len(queue._release_request.calls)
-    report.streamed = len(queue.scheduler.output_streamer.stream_output.calls)
-    report.slot_freed = allocator.available_size() == free_before + 1
-    report.others_unchanged = _rows_unchanged(before, buffers, other_slots)
-    if not queue.queue:
-        tables = ("request_status", "failure_records", "required_prefill_response_num_table", "prefill_response_tracker")
-        report.room_left_in = [t for t in tables if ROOM in getattr(mgr, t)]
+            report.outcome = "queued"
+            if not installed_here():  # stock only: the ext gate would act on what it is asked
+                report.gate_poll = poll_name(queue._poll_with_metadata_gate()[0])
+        elif transferred:
+            report.outcome = "transferred"
+            report.committed_output_ids = list(req.output_ids)
+        else:
+            report.outcome = "failed"
+        finished = req.finished_reason
+        report.abort_message = getattr(finished, "message", None) if finished is not None else None
+        report.released = len(released.calls)
+        report.streamed = len(queue.scheduler.output_streamer.stream_output.calls)
+        report.slot_freed = allocator.available_size() == free_before + 1
+        report.others_unchanged = _rows_unchanged(before, buffers, other_slots)
+        if not queue.queue:
+            tables = ("request_status", "failure_records", "required_prefill_response_num_table", "prefill_response_tracker")
+            report.room_left_in = [t for t in tables if ROOM in getattr(mgr, t)]
 
 
 def installed_here() -> bool:
@@ -454,7 +508,7 @@ def metadata_gate_rows(deadline_s: int = DEADLINE_S) -> List[Dict]:
     """F10 rows for the selftest table: each case run stock and ext in this process.
 
     Where F10 is not live (the plugin installs no gate there) the rows are
-    "n/a": the scenario is written against the 0.5.23 queue and gate.
+    "n/a": the scenario drives the queue and gate function of 0.5.13+.
     """
     from sglang_disagg_ext.selftest.rows import make_row
 
@@ -463,7 +517,7 @@ def metadata_gate_rows(deadline_s: int = DEADLINE_S) -> List[Dict]:
     if not (policy.is_live("F10") and policy.support is releases.Support.ACTIVE):
         status = policy.fixes.get("F10")
         why = (f"F10 is {getattr(status, 'value', status)!r} on SGLang {policy.version}: -ext installs no "
-               "metadata-gate deadline here (the scenario drives the 0.5.23 queue and gate)")
+               "metadata-gate deadline here (the scenario drives the queue and gate of 0.5.13+)")
         return [make_row(n, "F10", "all", "n/a", "n/a", False, 0.0, why=why) for n in (lost_name, landed_name)]
     try:  # import SGLang's modules up front, so no row's seconds include them
         from sglang.srt.disaggregation import decode  # noqa: F401
