@@ -149,7 +149,7 @@ EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (Mooncake fixes F7, F8 active; an unlisted .postN of "
+    "0.5.13 through 0.5.22 (F6, F7, F8, F10 active, and F11, F12 on 0.5.22; an unlisted .postN of "
     "0.5.13-0.5.23 passes through to the stock classes)"
 )
 
@@ -581,6 +581,24 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.utils import MetadataBuffers
 
         return "max_sampling_mask_tokens" in init_parameters(MetadataBuffers)
+
+    @functools.cached_property
+    def decode_status_handler(self) -> bool:
+        """Whether decode handles prefill's status message in a manager method,
+        ``apply_prefill_status`` (common/conn.py, 0.5.20+); before, inline in the
+        Mooncake ``decode_thread`` socket loop (0.5.13 mooncake/conn.py:1511-1537)."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return hasattr(MooncakeKVManager, "apply_prefill_status")
+
+    @functools.cached_property
+    def decode_queue_release_request(self) -> bool:
+        """Whether decode's ``DecodeTransferQueue`` frees a request's KV pages through
+        its own ``_release_request`` (0.5.22+); before, it calls the decode module's
+        ``release_kv_cache`` by name (0.5.13 decode.py:1643)."""
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+        return hasattr(DecodeTransferQueue, "_release_request")
 
     @functools.cached_property
     def metadata_gate_needs_server_args(self) -> bool:

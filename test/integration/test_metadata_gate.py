@@ -46,6 +46,13 @@ needs_live = pytest.mark.skipif(
     not LIVE,
     reason=f"n/a: F10 is {getattr(_F10, 'value', _F10)!r} on SGLang {POLICY.version}; the plugin installs no gate here",
 )
+# Sources carrying patches/<release>/'s F10 diff (`make test-patched`): SGLang's own gate has the
+# deadline, the plugin installs none, and stock must do what -ext does on the unpatched wheel.
+PATCHED = "F10" in POLICY.patched
+needs_gate = pytest.mark.skipif(
+    not (LIVE or PATCHED),
+    reason=f"n/a: F10 is {getattr(_F10, 'value', _F10)!r} on SGLang {POLICY.version} and not patched in",
+)
 
 # Read by hand in each wheel: does disaggregation/utils.py define _apply_metadata_gate?
 GATE_IN_UTILS = {
@@ -90,6 +97,20 @@ def test_stock_holds_a_request_whose_metadata_never_lands():
     assert scenario.stock_lost_signature(r) is None
 
 
+@pytest.mark.skipif(not PATCHED, reason="n/a: these SGLang sources do not carry patches/'s F10 diff")
+@pytest.mark.timeout(240)
+def test_patched_sglang_fails_the_request_at_the_deadline_with_the_reason():
+    """patches/<release>/'s F10 diff in SGLang's own gate: stock ends the request as -ext does
+    on the unpatched wheel (Failed by the deadline through the queue's Failed path, the
+    reason in the abort message, KV released once, slot freed, no other row touched)."""
+    assert not metadata_gate.installed()
+    r = scenario.gate_scenario(ext=False, case="lost")
+    assert r.error is None, r.describe()
+    assert scenario.ext_lost_problem(r) is None, r.describe()
+    assert "metadata buffer index 2 of 4 still shows no room" in r.abort_message
+    assert r.room_left_in == [] and r.others_unchanged
+
+
 @needs_live
 @pytest.mark.timeout(240)
 def test_ext_fails_the_request_at_the_deadline_with_the_reason():
@@ -116,7 +137,7 @@ def test_ext_fails_the_request_at_the_deadline_with_the_reason():
     assert len(metadata_gate._clock) == 0  # the hold went with the receiver
 
 
-@needs_live
+@needs_gate
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ext", [False, True], ids=["stock", "ext"])
 def test_metadata_landing_after_a_slow_transfer_is_committed(ext):
@@ -162,7 +183,7 @@ def _gate_inputs():
     return reqs, buffers, mgr
 
 
-@needs_live
+@needs_gate
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "ext, timeout_s, expected",
@@ -177,6 +198,11 @@ def _gate_inputs():
 )
 def test_gate_changes_only_a_held_success_past_its_deadline(ext, timeout_s, expected):
     from sglang.srt.disaggregation import utils
+
+    if PATCHED:
+        if ext:
+            pytest.skip("n/a on patched sources: the plugin installs no gate (SGLang's own has the deadline)")
+        expected = [0, 1, 2, 3, 4, 0, 4]  # SGLang's patched gate at timeout 0: as ext-expired
 
     reqs, buffers, mgr = _gate_inputs()
     with scenario.waiting_timeout(timeout_s), metadata_gate.metadata_gate_deadline(enabled=ext):

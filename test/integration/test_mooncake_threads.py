@@ -52,3 +52,19 @@ def test_stock_thread_dies_ext_fails_the_room_and_serves_the_next(builtin):
     assert not builtin.evaluate(stock), stock.describe()
     why = builtin.stock_signature(stock, POLICY)
     assert why is None, f"stock failed, but not with the live bug's signature: {why}\n{stock.describe()}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_patched_sglang_fails_the_room_and_serves_the_next(builtin):
+    """patches/<release>/'s F8 diff in SGLang's own loops (`make test-patched`): stock does
+    what -ext does on the unpatched wheel (the same evaluation: room 1000 Failed on both sides
+    at once with the fault in prefill's reason, no thread died, room 1001 byte-verified). The
+    unpatched wheel's stock run of the same scenario fails it (the test above)."""
+    if "F8" not in POLICY.patched:
+        pytest.skip("n/a: these SGLang sources do not carry patches/'s F8 diff")
+    stock = _run(builtin, "mooncake")
+    assert builtin.evaluate(stock), stock.describe()
+    bad, good = stock.requests
+    assert "InjectedFault: injected fault" in bad.prefill_failure_reason, stock.describe()
+    assert good.success and good.bytes_verified, stock.describe()

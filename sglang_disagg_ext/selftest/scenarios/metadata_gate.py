@@ -249,7 +249,7 @@ def _deliver_success(mgr, room: int) -> None:
     """Prefill's one-rank "transfer done" message, handled on decode as the release does."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    if hasattr(mgr, "apply_prefill_status"):  # 0.5.20+: the decode thread's own handler
+    if releases.features().decode_status_handler:  # 0.5.20+: the decode thread's own handler
         mgr.apply_prefill_status(bootstrap_room=room, status=KVPoll.Success, prefill_rank=0)
         return
     # Before 0.5.20 that handler is inline in decode_thread's socket loop; its Success
@@ -269,7 +269,7 @@ def _recorded_release(queue):
     from sglang.srt.disaggregation import decode
 
     recorder = _Recorder()
-    if hasattr(type(queue), "_release_request"):
+    if releases.features().decode_queue_release_request:
         queue._release_request = recorder
         yield recorder
         return
