@@ -8,21 +8,22 @@ comparing version strings itself.
 
 Facts come from reading each release's wheel (``shared/notes/sglang-releases.md``):
 
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
-release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     state layout
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
-0.5.11           up    live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     flat
-0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     per-component
-0.5.13 …         up    up    up    up    up    live    live  live  uncov.  uncov.  n/a     per-component
-  0.5.21 [1]
-0.5.22           up    up    up    up    up    live    live  live  uncov.  uncov.  live    per-component
-0.5.23           up    up    up    up    up    live    live  live  live    live    live    per-component
-==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  =============
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
+release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
+0.5.10.post1     live  live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     uncov.  flat
+0.5.11           up    live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     uncov.  flat
+0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     uncov.  per-component
+0.5.13 …         up    up    up    up    up    live    live  live  uncov.  live    n/a     uncov.  per-component
+  0.5.19 [1]
+0.5.20, 0.5.21   up    up    up    up    up    live    live  live  uncov.  live    n/a     live    per-component
+0.5.22           up    up    up    up    up    live    live  live  uncov.  live    live    live    per-component
+0.5.23           up    up    up    up    up    live    live  live  live    live    live    live    per-component
+==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 
 [1] each published release: 0.5.13, 0.5.13.post1, 0.5.14, 0.5.15, 0.5.15.post1,
-0.5.16, 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21. Every release 0.5.13-0.5.22 is
-active with F6/F7/F8 live because a differential run on that release's wheel proved
+0.5.16, 0.5.17, 0.5.18, 0.5.19. Every release 0.5.13-0.5.22 is
+active with F6/F7/F8/F10 live because a differential run on that release's wheel proved
 them (stock fails with the bug's signature, ``-ext`` passes):
 ``scripts/release_sweep.sh``, recorded in ``docs/release-sweep.md``. A release of
 that range without its own row (a later ``.postN``) passes through.
@@ -44,26 +45,35 @@ position whatever their counts (0.5.22 mooncake/conn.py:1755; 0.5.23 only logs
 the mismatch, common/conn.py:617-634); F10 decode holds a request whose metadata
 row never shows its room forever (0.5.12 decode.py:1412-1415, 0.5.23
 utils.py:245-260). F9 needs 0.5.23's registration hooks; F10 before 0.5.13 runs
-after the TP all-reduce (a per-rank deadline would desynchronise the ranks).
+after the TP all-reduce (a per-rank deadline would desynchronise the ranks); from
+0.5.13 the gate is ``utils._apply_metadata_gate`` (0.5.13 utils.py:78), replaced by
+the plugin as on 0.5.23.
 F11 (NIXL nixl/conn.py and common/conn.py of every wheel read): the head-sliced
 SWA state path (``_send_swa_state_slice``, common ``_get_mha_head_slice_blocks``
 raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
 ``_init_hetero_tp_prep_handle`` on the bootstrap thread exist from 0.5.22
 (nixl/conn.py:941, :2640; common/conn.py:1617) and in 0.5.23 (:1311, :2969;
 :1802-1806; bootstrap thread logs and re-raises, :3415-3426); up to 0.5.21 there
-is no head-sliced SWA path (stock refuses different TP sizes for SWA per request,
-F4's era): n/a. 0.5.22: live, 0.5.23's adapter applies (0.5.22's decode listener has
+is no head-sliced SWA path: n/a. (The neighbouring bug is live there and not
+covered by any fix: a non-MLA SWA request across different TP sizes raises on
+prefill's transfer worker, "PD Disaggregation does NOT support PD different TP sizes
+for non-MLA SWA hybrid models yet" (0.5.13 nixl/conn.py:1616-1618 ... 0.5.21
+:2674-2676); up to 0.5.19 decode is never told and waits out its waiting timeout,
+from 0.5.20 ``conclude_failure`` tells it.) 0.5.22: live, 0.5.23's adapter applies (0.5.22's decode listener has
 no CHUNK_READY message, and its NixlKVReceiver.poll also concludes Success from NIXL
 notifications, so a dead listener loses prefill's Failed messages: the listener
 case there is the failed-room one), proven by test_nixl_newest.py and the F11
 selftest rows on the 0.5.22 wheel.
-F12 (MoRI mori/conn.py of every wheel read; not in the table above: uncovered in
-every row but 0.5.22 and 0.5.23, live there): metadata rows go out as ``AUX_DATA`` messages
-on another ZMQ socket than the room's status (0.5.10.post1/0.5.11: a new socket
-per message, ``_connect`` :752 vs :417; 0.5.12+: per-thread
-``_connect_threadsafe``, 0.5.23 :837-857 / :1610-1624 vs common/conn.py:1709),
-and decode drops a row whose bytes disagree with their declared length
-(0.5.10.post1 :774 ... 0.5.23 :1980). Proven (stand-in engine) on 0.5.23 and on
+F12 (MoRI mori/conn.py of every wheel read): decode drops a row whose bytes
+disagree with their declared length in every release (0.5.10.post1 :774 ... 0.5.23
+:1980); metadata rows go out as ``AUX_DATA`` messages on another ZMQ socket than
+the room's status on 0.5.10.post1/0.5.11 (a new socket per message, ``_connect``
+:752 vs :417) and from 0.5.20 (per-thread ``_connect_threadsafe`` vs the common
+``_send_multipart_locked``, 0.5.23 :837-857 / :1610-1624 vs common/conn.py:1709),
+while 0.5.12.post1-0.5.19 send both from one thread on one ``_connect_threadsafe``
+socket (ordered; the drop stays). 0.5.20 and 0.5.21 run 0.5.22's adapter; their
+registration has 13 frames after the guard, not 17 (probe
+``mori_registration_frames``), proven by test_mori_newest.py on both wheels. Proven (stand-in engine) on 0.5.23 and on
 0.5.22, whose metadata path is 0.5.23's (send_aux_tcp :1556, _handle_aux_data :1932)
 but whose decode registration has no manager hook (probe mori_registration_hook):
 the receiver appends the row-size frame there.
@@ -149,7 +159,7 @@ EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (F6, F7, F8, F10 active, and F11, F12 on 0.5.22; an unlisted .postN of "
+    "0.5.13 through 0.5.22 (F6, F7, F8, F10 active, F12 on 0.5.20-0.5.22, F11 on 0.5.22; an unlisted .postN of "
     "0.5.13-0.5.23 passes through to the stock classes)"
 )
 
@@ -274,8 +284,8 @@ _ACTIVE_RELEASES = {
     "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
     "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
     "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L}, True),
     "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _L, "F12": _L}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
 }
@@ -284,7 +294,9 @@ _ACTIVE_RELEASES = {
 # scripts/release_sweep.sh (docs/release-sweep.md), F6 too (its second sweep, with
 # test_mooncake_isolation.py), F10 too (the gate, utils._apply_metadata_gate, read in every
 # wheel: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244; test_metadata_gate.py in the sweep);
-# F9 uncovered there (no registration check to hook before 0.5.23). The rest
+# F9 uncovered there (no registration check to hook before 0.5.23). F12 on 0.5.20/0.5.21:
+# 0.5.22's MoRI metadata path (rows and status on two sockets), proven by
+# test_mori_newest.py on both wheels; before 0.5.20 uncovered (see the module docstring). The rest
 # (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
 # Mooncake bugs F6-F8 fix are live in every release of that range (read in each wheel:
 # session blacklisted after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284,
@@ -540,6 +552,28 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.mori.conn import MoriKVManager
 
         return hasattr(MoriKVManager, "build_receiver_registration_message")
+
+    @functools.cached_property
+    def mori_registration_frames(self) -> int:
+        """How many frames follow MoRI's guard in a stock decode registration, as the
+        prefill's ``KVArgsRegisterInfo.from_zmq`` reads them (the highest constant
+        index into its payload, plus one; the room field "None" is frame 0): 13 on
+        0.5.12.post1-0.5.21 (reads payload[1..12]), 17 on 0.5.22 and 0.5.23. A
+        frame after those is never parsed by a stock prefill."""
+        # Read, not imported: MoRI's module imports its engine at the top.
+        tree = ast.parse(_stock_disaggregation_source("mori/conn.py"))
+        func = next(
+            fn for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "KVArgsRegisterInfo"
+            for fn in cls.body if isinstance(fn, ast.FunctionDef) and fn.name == "from_zmq"
+        )
+        payload = [a.arg for a in func.args.args if a.arg not in ("cls", "self")][0]
+        indices = [
+            node.slice.value
+            for node in ast.walk(func)
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == payload
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
+        ]
+        return max(indices) + 1
 
     # -- process setup ------------------------------------------------------------
 
@@ -840,6 +874,15 @@ def nsa_pool_class() -> Optional[type]:
 
 def _defined_on(fn, cls) -> bool:
     return getattr(fn, "__qualname__", "").split(".")[0] == cls.__name__
+
+
+def _stock_disaggregation_source(relpath: str) -> str:
+    """Text of ``sglang/srt/disaggregation/<relpath>`` of the installed SGLang; imports only
+    ``sglang.srt.disaggregation`` itself (not the backend package, which may import its engine)."""
+    spec = importlib.util.find_spec("sglang.srt.disaggregation")
+    path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def _stock_nixl_conn_source() -> str:

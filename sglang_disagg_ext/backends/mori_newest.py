@@ -1,4 +1,4 @@
-"""``mori-ext`` on 0.5.22 and 0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
+"""``mori-ext`` on 0.5.20-0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
 
 Line numbers below are 0.5.23's. 0.5.22 has the same metadata path (``send_aux_tcp``
 :1556, ``_send_aux_data_to_endpoint`` :1577, ``_handle_aux_data`` :1932, the common
@@ -6,7 +6,12 @@ status push over ``_send_multipart_locked``) and the same registration frames
 (``KVArgsRegisterInfo.from_zmq`` reads positions 1-16 after the guard, :224-259), but no
 ``build_receiver_registration_message`` hook: there the receiver sends the message itself
 (``MoriKVReceiver._register_kv_args``, :2165-2217), and the row-size frame is appended to
-that message on its way out (:meth:`MoriOrderedKVReceiver._register_kv_args`).
+that message on its way out (:meth:`MoriOrderedKVReceiver._register_kv_args`). 0.5.20 and
+0.5.21 are 0.5.22's shape (the functions above byte-identical, status through
+``conclude_transfer`` -> ``send_kv_status_message`` -> ``_send_multipart_locked``), except
+that their registration has 13 frames after the guard (``from_zmq`` reads positions 1-12,
+0.5.21 mori/conn.py:203-237): the count is read from the installed wheel
+(``releases.features().mori_registration_frames``), never assumed.
 
 F3 (per-component state) is upstream in 0.5.23, so nothing of :mod:`backends.mori`
 runs here. SGLang's default ("TCP") metadata path sends each metadata buffer's
@@ -68,14 +73,19 @@ FIX = "F12"
 ORDER_ROUTE = "/sglang_disagg_ext/mori_aux_order"
 ORDER_VERSION = 1
 PROBE_TIMEOUT_S = 5.0
-# SGLang's registration message: the guard then 17 frames (0.5.23 mori/conn.py:2098-2117,
-# 0.5.22 :2196-2216), the first of them the room field "None".
-STOCK_REGISTRATION_FRAMES = 17
+# SGLang's registration message is the guard, then the frames KVArgsRegisterInfo.from_zmq
+# reads (the first of them the room field "None"): 17 on 0.5.22/0.5.23 (0.5.23
+# mori/conn.py:2098-2117), 13 on 0.5.20/0.5.21. Read from the wheel, once per process.
+
+
+def stock_registration_frames() -> int:
+    return releases.features().mori_registration_frames
+
 REGISTRATION_ROOM = b"None"
 
 
 class MoriOrderedKVManager(_conn.MoriKVManager):
-    """Stock 0.5.22/0.5.23 MoRI manager with F12; see the module docstring."""
+    """Stock 0.5.20-0.5.23 MoRI manager with F12; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
@@ -92,7 +102,7 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
     # -- registration --------------------------------------------------------------------------------
     def build_receiver_registration_message(self) -> List[bytes]:
         """Stock registration plus one frame with this decode's metadata row sizes (0.5.23;
-        on 0.5.22 SGLang never calls it: the receiver appends the frame instead).
+        before 0.5.23 SGLang never calls it: the receiver appends the frame instead).
 
         Contract: decode scheduler thread, from ``CommonKVReceiver._register_kv_args``
         the first time this manager meets a prefill. A stock prefill reads the
@@ -109,10 +119,11 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
         is served with this side's row sizes as the reference.
         """
         super()._handle_register_message(payload)
-        if len(payload) <= STOCK_REGISTRATION_FRAMES:
+        frames = stock_registration_frames()
+        if len(payload) <= frames:
             return  # stock decode
         try:
-            lens = decode_aux_item_lens(payload[STOCK_REGISTRATION_FRAMES])
+            lens = decode_aux_item_lens(payload[frames])
             key = (payload[1].decode("ascii"), int(payload[2].decode("ascii")))
         except (AuxRowError, ValueError, UnicodeDecodeError) as exc:
             logger.error("mori-ext: decode registration carries an unreadable metadata row-size frame: %s", exc)
@@ -233,7 +244,7 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
 
 class MoriOrderedKVReceiver(_conn.MoriKVReceiver):
     def _register_kv_args(self) -> bool:
-        """Stock registration; where the manager has no registration hook (0.5.22), with
+        """Stock registration; where the manager has no registration hook (0.5.20-0.5.22), with
         this decode's metadata row sizes appended as one frame.
 
         Contract: decode scheduler thread, from stock ``init`` the first time this
@@ -282,8 +293,9 @@ class MoriOrderedKVBootstrapServer(_conn.MoriKVBootstrapServer):
 
 
 def _is_registration(frames) -> bool:
-    """A stock registration message: the guard, the room field "None", then 16 more frames."""
-    return (len(frames) == 1 + STOCK_REGISTRATION_FRAMES and bytes(frames[0]) == _conn.MORI_GUARD
+    """A stock registration message: the guard, the room field "None", then the other frames
+    ``from_zmq`` reads (16 on 0.5.22/0.5.23, 12 on 0.5.20/0.5.21)."""
+    return (len(frames) == 1 + stock_registration_frames() and bytes(frames[0]) == _conn.MORI_GUARD
             and bytes(frames[1]) == REGISTRATION_ROOM)
 
 

@@ -49,11 +49,32 @@ STOCK_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"
 needs_live = pytest.mark.skipif(not LIVE, reason=f"F12 is {F12.value if F12 else 'unknown'} on SGLang {POLICY.version}")
 
 
+# Frames after MoRI's guard in a stock decode registration, read by hand in each wheel's
+# KVArgsRegisterInfo.from_zmq (highest payload index it reads, plus one).
+REGISTRATION_FRAMES = {
+    "0.5.10.post1": 11, "0.5.11": 11,  # payload[1..10] (0.5.10.post1 mori/conn.py:123-145)
+    **{r: 13 for r in ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1",
+                       "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")},  # payload[1..12] (0.5.21 :203-237)
+    "0.5.22": 17, "0.5.23": 17,  # payload[1..16] (0.5.22 :224-259)
+}
+
+
+@pytest.mark.timeout(30)
+def test_registration_frame_count_is_read_from_the_wheel():
+    """The probe F12's registration frame rests on (no MoRI engine needed: it reads the source)."""
+    if POLICY.version not in REGISTRATION_FRAMES:
+        pytest.skip(f"n/a: no hand-read frame count for SGLang {POLICY.version}")
+    assert releases.features().mori_registration_frames == REGISTRATION_FRAMES[POLICY.version]
+
+
 @pytest.mark.timeout(10)
 def test_f12_status_matches_the_release_table():
-    """Every wheel 0.5.10.post1-0.5.23 has the TCP metadata path on separate sockets and
-    the silent drop (read in /tmp/wh/*/mori/conn.py); proven, so live, on 0.5.22 and 0.5.23."""
-    if POLICY.version in ("0.5.22", "0.5.23"):
+    """Read in every wheel's mori/conn.py: the silent drop of a row of the wrong length is in
+    all of 0.5.10.post1-0.5.23; rows and status travel on two sockets (the race) on
+    0.5.10.post1/0.5.11 (a new socket per message) and 0.5.20-0.5.23, on one socket from one
+    thread on 0.5.12.post1-0.5.19. Proven, so live, on 0.5.20-0.5.23 (0.5.22's adapter;
+    0.5.20/0.5.21 by the release sweep); elsewhere live, not covered."""
+    if POLICY.version in ("0.5.20", "0.5.21", "0.5.22", "0.5.23"):
         assert LIVE and POLICY.routes("mori")
     elif POLICY.supported:
         assert F12 is releases.FixStatus.UNCOVERED
