@@ -25,7 +25,7 @@ TRUTH = {
     "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8"}, True),
     **{r: (True, {"F6", "F7", "F8", "F10"}, True) for r in (
-        "0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
+        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
     # F12 (MoRI rows and status on two sockets, 0.5.22's shape) from 0.5.20.
     **{r: (True, {"F6", "F7", "F8", "F10", "F12"}, True) for r in ("0.5.20", "0.5.21")},
     "0.5.22": (True, {"F6", "F7", "F8", "F10", "F11", "F12"}, True),
@@ -77,7 +77,8 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
 # The codec from 0.5.20 (0.5.20 common/conn.py parse_kv_status_message; 0.5.13-0.5.19 unpack three).
 VERIFY_AVAILABLE = {"0.5.10.post1": set(), "0.5.11": set(), "0.5.12.post1": set(), "0.5.22": {"mooncake-ext"},
                     "0.5.23": {"mooncake-ext"}, "0.5.20": {"mooncake-ext"}, "0.5.21": {"mooncake-ext"},
-                    **{r: set() for r in ("0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19")}}
+                    **{r: set() for r in ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17",
+                                           "0.5.18", "0.5.19")}}
 
 
 @pytest.mark.timeout(150)

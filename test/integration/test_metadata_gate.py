@@ -42,13 +42,15 @@ from sglang_disagg_ext.selftest.scenarios import metadata_gate as scenario  # no
 POLICY = releases.current_policy()
 LIVE = POLICY.is_live("F10")
 _F10 = POLICY.fixes.get("F10")
-needs_live = pytest.mark.skipif(
-    not LIVE,
-    reason=f"n/a: F10 is {getattr(_F10, 'value', _F10)!r} on SGLang {POLICY.version}; the plugin installs no gate here",
-)
 # Sources carrying patches/<release>/'s F10 diff (`make test-patched`): SGLang's own gate has the
 # deadline, the plugin installs none, and stock must do what -ext does on the unpatched wheel.
 PATCHED = "F10" in POLICY.patched
+needs_live = pytest.mark.skipif(
+    not LIVE,
+    reason=("n/a: these sources carry patches/'s F10 diff, so the plugin installs no gate (the patched tests run)"
+            if PATCHED else
+            f"n/a: F10 is {getattr(_F10, 'value', _F10)!r} on SGLang {POLICY.version}; the plugin installs no gate here"),
+)
 needs_gate = pytest.mark.skipif(
     not (LIVE or PATCHED),
     reason=f"n/a: F10 is {getattr(_F10, 'value', _F10)!r} on SGLang {POLICY.version} and not patched in",
