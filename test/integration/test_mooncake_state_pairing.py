@@ -23,7 +23,11 @@ LIVE = POLICY.support is releases.Support.ACTIVE and POLICY.is_live("F7")
 EXT_MODULE = "sglang_disagg_ext.backends.mooncake."
 
 
-@pytest.mark.skipif(not LIVE, reason=f"F7 is not live on SGLang {POLICY.version}")
+PATCHED = "F7" in POLICY.patched
+
+
+@pytest.mark.skipif(not LIVE, reason=("n/a: these sources carry patches/'s F7 diff; the patched test below runs instead"
+                                      if PATCHED else f"F7 is not live on SGLang {POLICY.version}"))
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("builtin", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_stock_shifts_v_buffers_ext_pairs_by_layer(builtin):
@@ -46,7 +50,7 @@ def test_stock_shifts_v_buffers_ext_pairs_by_layer(builtin):
 CONTROLS = [(1, 1), (1, 2), (2, 2)]
 
 
-@pytest.mark.skipif(not LIVE, reason=f"F7 is not live on SGLang {POLICY.version}")
+@pytest.mark.skipif(not (LIVE or PATCHED), reason=f"F7 is not live on SGLang {POLICY.version}")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n,extra", CONTROLS, ids=[f"swa {n} layers, decode +{e}" for n, e in CONTROLS])
 def test_controls_stock_and_ext_both_right(n, extra):
@@ -54,3 +58,17 @@ def test_controls_stock_and_ext_both_right(n, extra):
     for backend in ("mooncake", "mooncake-ext"):
         result = run_scenario(tail_layers("swa", n, extra), backend)
         assert result.ok, f"{backend}:\n{result.describe()}"
+
+
+@pytest.mark.skipif(not PATCHED, reason="n/a: these SGLang sources do not carry patches/'s F7 diff")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_patched_sglang_pairs_by_layer(builtin):
+    """patches/<release>/'s F7 diff in SGLang's own state path (`make test-patched`): stock
+    places every page as -ext does on the unpatched wheel (Success on both sides, prefill layer
+    L in decode layer L, the draft layers still the sentinel). The unpatched wheel's stock run
+    of the same scenario shifts the V buffers (the test above)."""
+    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
+    assert stock.ok, stock.describe()
+    r = stock.requests[0]
+    assert r.prefill_status == r.decode_status == "Success", stock.describe()
