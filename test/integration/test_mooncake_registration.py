@@ -29,7 +29,23 @@ from sglang_disagg_ext.selftest.scenarios.registration import (
 pytestmark = pytest.mark.engine
 
 POLICY = releases.current_policy()
-live_only = pytest.mark.skipif(not POLICY.is_live("F9"), reason=f"F9 is not live on SGLang {POLICY.version}")
+PATCHED = "F9" in POLICY.patched
+live_only = pytest.mark.skipif(
+    not POLICY.is_live("F9"),
+    reason=("n/a: these sources carry patches/'s F9 diff; the patched test below runs instead" if PATCHED
+            else f"F9 is not live on SGLang {POLICY.version}"),
+)
+# patches/0.5.23's F9 diff: SGLang's own reason (counts only: a stock decode publishes no row sizes),
+# written out by hand from the harness's geometry (ten metadata buffers, the checksum an eleventh).
+PATCHED_HINT = (
+    "an optional metadata buffer is enabled on one side only (--disaggregation-enable-kv-checksum, "
+    "SGLANG_ENABLE_DISAGG_SAMPLING_MASK or the DSA top-k buffer): enable it on both sides or on neither"
+)
+STOCK_DECODE_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
+PATCHED_REFUSALS = {
+    "decode": f"metadata buffers cannot be paired: prefill has 10, decode 11; {PATCHED_HINT}",
+    "prefill": f"metadata buffers cannot be paired: prefill has 11, decode 10; {PATCHED_HINT}",
+}
 REFUSED_LINE = "refused at registration; every request to it ends Failed"
 COUNT_ONLY_LINE = (
     "published no metadata row sizes (a stock decode): only its buffer count (10, as prefill's) was checked"
@@ -85,3 +101,22 @@ def test_matching_stock_decode_is_served_with_one_line():
     assert result.ok, result.describe()
     assert sum(COUNT_ONLY_LINE in x for x in result.plugin_log["prefill"]) == 1, result.plugin_log["prefill"]
     assert REFUSED_LINE not in result.prefill_log_tail
+
+
+@pytest.mark.skipif(not PATCHED, reason="n/a: these SGLang sources do not carry patches/'s F9 diff")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("builtin", SCENARIOS, ids=["decode+1", "decode-1"])
+def test_patched_sglang_refuses_at_registration(builtin):
+    """patches/<release>/'s F9 diff in SGLang's own registration (`make test-patched`): stock
+    refuses the decode as -ext does on the unpatched wheel (one ERROR at registration naming both
+    counts; each request Failed on both sides within the bound, prefill's reason that one, decode's
+    stock's generic one; no KV page and no metadata row of decode written). The unpatched wheel's stock run serves the pair with the
+    metadata paired by position (the first test)."""
+    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
+    side = builtin.build(POLICY).kv_checksum_on
+    # Stock Mooncake's status message carries no reason (the plugin's adds it), so a stock
+    # decode records its own generic one (0.5.23 common/conn.py apply_prefill_status).
+    problem = refusal_problem(stock, PATCHED_REFUSALS[side], STOCK_DECODE_FAILED)
+    assert problem is None, f"{problem}\n{stock.describe()}"
+    assert stock.prefill_log_tail.count(REFUSED_LINE) == 1, stock.prefill_log_tail
+    assert "only the first 10 are transferred" not in stock.prefill_log_tail

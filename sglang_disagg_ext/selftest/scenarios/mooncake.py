@@ -116,16 +116,18 @@ def _dsv4_state(policy: releases.ReleasePolicy) -> Scenario:
     return _paged_state("dsv4 state, 3 pages", kind, [2, 3, 4], [9, 10, 11])
 
 
-def refused_request_problem(r, want: str) -> Optional[str]:
+def refused_request_problem(r, want: str, decode_want: Optional[str] = None) -> Optional[str]:
     """None when request ``r`` was refused before the engine the -ext way: Failed on both
-    sides within ``FAILED_WITHIN_S``, both reasons saying ``want``, every page and row it
-    targets still holding the sentinel and nothing else written, no thread error."""
+    sides within ``FAILED_WITHIN_S``, both reasons saying ``want`` (decode's saying
+    ``decode_want`` where given: a stock decode that is sent no reason), every page and row
+    it targets still holding the sentinel and nothing else written, no thread error."""
     if not r.failed_within(FAILED_WITHIN_S):
         return (f"request {r.index}: not Failed on both sides within {FAILED_WITHIN_S}s "
                 f"(prefill={r.prefill_status} {r.prefill_seconds}, decode={r.decode_status} {r.decode_seconds})")
-    for side, reason in (("prefill", r.prefill_failure_reason), ("decode", r.decode_failure_reason)):
-        if want not in (reason or ""):
-            return f"request {r.index}: {side} reason {reason!r} does not say {want!r}"
+    for side, reason, text in (("prefill", r.prefill_failure_reason, want),
+                               ("decode", r.decode_failure_reason, decode_want or want)):
+        if text not in (reason or ""):
+            return f"request {r.index}: {side} reason {reason!r} does not say {text!r}"
     # The verifier expected prefill's bytes on the targeted pages: a refused
     # request leaves exactly those reporting the sentinel.
     stray = [m for m in r.mismatches if "found the sentinel" not in m]

@@ -67,13 +67,13 @@ def checksum_on(side: str) -> Scenario:
     )
 
 
-def refusal_problem(result, want: str) -> Optional[str]:
+def refusal_problem(result, want: str, decode_want: Optional[str] = None) -> Optional[str]:
     """None when every request was refused the -ext way (Failed on both sides within the bound,
-    both reasons saying ``want``, nothing written to decode); else why not."""
+    both reasons saying ``want``, or decode's ``decode_want``, nothing written to decode); else why not."""
     if result.error or len(result.requests) != 2:
         return f"run error or not 2 requests: {result.error}"
     for r in result.requests:
-        problem = refused_request_problem(r, want)
+        problem = refused_request_problem(r, want, decode_want)
         if problem:
             return problem
     return None
