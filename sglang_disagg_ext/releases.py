@@ -561,11 +561,7 @@ class SGLangFeatures:
         0.5.12.post1-0.5.21 (reads payload[1..12]), 17 on 0.5.22 and 0.5.23. A
         frame after those is never parsed by a stock prefill."""
         # Read, not imported: MoRI's module imports its engine at the top.
-        tree = ast.parse(_stock_disaggregation_source("mori/conn.py"))
-        func = next(
-            fn for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "KVArgsRegisterInfo"
-            for fn in cls.body if isinstance(fn, ast.FunctionDef) and fn.name == "from_zmq"
-        )
+        func = _stock_method_ast("mori/conn.py", "KVArgsRegisterInfo", "from_zmq")
         payload = [a.arg for a in func.args.args if a.arg not in ("cls", "self")][0]
         indices = [
             node.slice.value
@@ -727,18 +723,10 @@ class SGLangFeatures:
         sizes for non-MLA SWA hybrid models yet." per request at transfer time
         (0.5.12.post1 mooncake/conn.py:1051, nixl/conn.py:1546).
         """
-        spec = importlib.util.find_spec("sglang.srt.disaggregation")
-        if spec is None or not spec.submodule_search_locations:
-            return frozenset()
-        root = list(spec.submodule_search_locations)[0]
-        found = set()
-        for backend in ("mooncake", "nixl"):
-            path = os.path.join(root, backend, "conn.py")
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    if "def _send_swa_state_slice(" in f.read():
-                        found.add(backend)
-        return frozenset(found)
+        return frozenset(
+            backend for backend in ("mooncake", "nixl")
+            if "def _send_swa_state_slice(" in _stock_disaggregation_source(f"{backend}/conn.py")
+        )
 
     @functools.cached_property
     def stock_nixl_sender_poll_raises(self) -> bool:
@@ -749,21 +737,9 @@ class SGLangFeatures:
         ``Exception("KVSender transfer encountered an error.")`` on an ERR handle
         (0.5.11 nixl/conn.py:1153), into the scheduler's ``poll_and_all_reduce``;
         0.5.12.x hands the handles to ``transfer_worker``, which fails the room."""
-        import ast
-
-        spec = importlib.util.find_spec("sglang.srt.disaggregation")
-        if spec is None or not spec.submodule_search_locations:
-            return False
-        path = os.path.join(list(spec.submodule_search_locations)[0], "nixl", "conn.py")
-        if not os.path.exists(path):
-            return False
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for cls in tree.body:
-            if isinstance(cls, ast.ClassDef) and cls.name == "NixlKVSender":
-                for fn in cls.body:
-                    if isinstance(fn, ast.FunctionDef) and fn.name == "poll":
-                        return any(isinstance(node, ast.Raise) for node in ast.walk(fn))
+        fn = _stock_method_ast("nixl/conn.py", "NixlKVSender", "poll")
+        if fn is not None:
+            return any(isinstance(node, ast.Raise) for node in ast.walk(fn))
         return False
 
     # -- F5: the shape of the stock retract/resume code ------------------------------
@@ -877,21 +853,33 @@ def _defined_on(fn, cls) -> bool:
 
 
 def _stock_disaggregation_source(relpath: str) -> str:
-    """Text of ``sglang/srt/disaggregation/<relpath>`` of the installed SGLang; imports only
-    ``sglang.srt.disaggregation`` itself (not the backend package, which may import its engine)."""
+    """Text of ``sglang/srt/disaggregation/<relpath>`` of the installed SGLang ("" if absent);
+    imports only ``sglang.srt.disaggregation`` itself (not the backend package, which may
+    import its engine)."""
     spec = importlib.util.find_spec("sglang.srt.disaggregation")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
     path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
+    if not os.path.exists(path):
+        return ""
     with open(path, encoding="utf-8") as f:
         return f.read()
 
 
+def _stock_method_ast(relpath: str, cls_name: str, fn_name: str) -> Optional[ast.FunctionDef]:
+    """The syntax tree of method ``cls_name.fn_name`` in ``disaggregation/<relpath>`` (None if absent)."""
+    text = _stock_disaggregation_source(relpath)
+    for cls in ast.parse(text).body if text else ():
+        if isinstance(cls, ast.ClassDef) and cls.name == cls_name:
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == fn_name:
+                    return fn
+    return None
+
+
 def _stock_nixl_conn_source() -> str:
     """Text of the installed stock ``sglang.srt.disaggregation.nixl.conn`` ("" if absent); imports nothing."""
-    spec = importlib.util.find_spec("sglang.srt.disaggregation.nixl.conn")
-    if spec is None or not spec.origin:
-        return ""
-    with open(spec.origin, encoding="utf-8") as f:
-        return f.read()
+    return _stock_disaggregation_source("nixl/conn.py")
 
 
 def _stock_nixl_slice_source() -> str:

@@ -19,6 +19,7 @@ from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
 from sglang_disagg_ext.selftest.scenarios.registration import (
+    HINT,
     REFUSALS,
     SCENARIOS,
     STOCK_DECODE_REFUSAL,
@@ -37,14 +38,10 @@ live_only = pytest.mark.skipif(
 )
 # patches/0.5.23's F9 diff: SGLang's own reason (counts only: a stock decode publishes no row sizes),
 # written out by hand from the harness's geometry (ten metadata buffers, the checksum an eleventh).
-PATCHED_HINT = (
-    "an optional metadata buffer is enabled on one side only (--disaggregation-enable-kv-checksum, "
-    "SGLANG_ENABLE_DISAGG_SAMPLING_MASK or the DSA top-k buffer): enable it on both sides or on neither"
-)
 STOCK_DECODE_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
 PATCHED_REFUSALS = {
-    "decode": f"metadata buffers cannot be paired: prefill has 10, decode 11; {PATCHED_HINT}",
-    "prefill": f"metadata buffers cannot be paired: prefill has 11, decode 10; {PATCHED_HINT}",
+    "decode": f"metadata buffers cannot be paired: prefill has 10, decode 11; {HINT}",
+    "prefill": f"metadata buffers cannot be paired: prefill has 11, decode 10; {HINT}",
 }
 REFUSED_LINE = "refused at registration; every request to it ends Failed"
 COUNT_ONLY_LINE = (
