@@ -109,7 +109,8 @@ def test_patched_sglang_refuses_at_registration(builtin):
     counts; each request Failed on both sides within the bound, prefill's reason that one, decode's
     stock's generic one; no KV page and no metadata row of decode written). The unpatched wheel's stock run serves the pair with the
     metadata paired by position (the first test)."""
-    stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
+    # -ext's bounds (``build``), not the short ones meant for an expected stock failure.
+    stock = run_scenario(builtin.build(POLICY), "mooncake")
     side = builtin.build(POLICY).kv_checksum_on
     # Stock Mooncake's status message carries no reason (the plugin's adds it), so a stock
     # decode records its own generic one (0.5.23 common/conn.py apply_prefill_status).

@@ -32,9 +32,9 @@ POLICY = releases.current_policy()
 HOOKS = os.path.join(os.path.dirname(__file__), os.pardir, "support", "prefill_faults.py")
 
 
-def _run(builtin, backend):
+def _run(builtin, backend, scenario=None):
     env = {"SGLANG_HARNESS_PREFILL_HOOK": f"{os.path.abspath(HOOKS)}:{builtin.prefill_hook}"}
-    return run_scenario(builtin.scenario_for(POLICY, backend), backend, extra_env=env)
+    return run_scenario(scenario or builtin.scenario_for(POLICY, backend), backend, extra_env=env)
 
 
 @pytest.mark.timeout(300)
@@ -65,7 +65,7 @@ def test_patched_sglang_fails_the_room_and_serves_the_next(builtin):
     unpatched wheel's stock run of the same scenario fails it (the test above)."""
     if "F8" not in POLICY.patched:
         pytest.skip("n/a: these SGLang sources do not carry patches/'s F8 diff")
-    stock = _run(builtin, "mooncake")
+    stock = _run(builtin, "mooncake", builtin.build(POLICY))  # -ext's bounds: stock must pass here
     assert builtin.evaluate(stock), stock.describe()
     bad, good = stock.requests
     assert "InjectedFault: injected fault" in bad.prefill_failure_reason, stock.describe()
