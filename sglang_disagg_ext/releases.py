@@ -119,7 +119,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -136,6 +136,8 @@ FIX_TITLES = {
     "the bootstrap thread survives a failed registration and the decode listener a failed status message",
     "F12": "MoRI (TCP metadata path): each metadata row travels ahead of its room's status on one ordered channel; "
     "a row whose length does not match fails the room with a reason instead of being dropped",
+    "F13": "NIXL across attention TP sizes: SWA state sent as head slices (F4's layout) where stock refuses "
+    "every request of a hybrid SWA model",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -152,6 +154,7 @@ FIX_BACKEND = {
     "F10": "all",
     "F11": "nixl",
     "F12": "mori",
+    "F13": "nixl",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -271,23 +274,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _L, "F12": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
 }
 
 # 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
@@ -303,9 +306,14 @@ _ACTIVE_RELEASES = {
 # 0.5.22 :2672-2673; get_mha_kv_ptrs_with_pp identical in every release; transfer_worker
 # re-raises, 0.5.13 :1366, 0.5.22 :2806), but an unlisted post-release has had no
 # differential run: uncovered.
+# F13 (NIXL SWA state across attention TP sizes): stock maybe_send_extra raises for non-MLA SWA
+# state whenever the TP sizes differ on every release 0.5.13-0.5.21 (0.5.13 nixl/conn.py:1616-1618,
+# 0.5.16 :2061-2063, 0.5.19 :2374-2376, 0.5.21 :2674-2676); 0.5.22 added _send_swa_state_slice
+# (features().stock_swa_head_slice_backends reads it), so upstream from there. n/a up to 0.5.12.x:
+# F4's classes already send SWA state as head slices there.
 _PASS_THROUGH_FIXES = {
     "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
-    "F11": _N, "F12": _X,
+    "F11": _N, "F12": _X, "F13": _X,
 }
 # F11's code path (head-sliced SWA state, asserting hetero-TP prep on the
 # bootstrap thread) first appears in 0.5.22 (see the table comment above).
@@ -320,6 +328,7 @@ def _pass_through_fixes(version: Version) -> Dict[str, FixStatus]:
     fixes = dict(_PASS_THROUGH_FIXES)
     if version >= _PASS_THROUGH_F11_FROM:
         fixes["F11"] = _X
+        fixes["F13"] = _U  # stock NIXL's _send_swa_state_slice, from 0.5.22
     return fixes
 
 
@@ -726,6 +735,17 @@ class SGLangFeatures:
         return frozenset(
             backend for backend in ("mooncake", "nixl")
             if "def _send_swa_state_slice(" in _stock_disaggregation_source(f"{backend}/conn.py")
+        )
+
+    @functools.cached_property
+    def stock_nixl_worker_tells_decode(self) -> bool:
+        """Whether stock NIXL's ``transfer_worker`` tells decode when a room fails in it (read from
+        the installed ``disaggregation/nixl/conn.py``, imports nothing): it calls
+        ``conclude_failure`` from 0.5.20 (nixl/conn.py:1481); up to 0.5.19 it only records the
+        failure on prefill, and decode ends such a room by its waiting timeout."""
+        fn = _stock_method_ast("nixl/conn.py", "NixlKVManager", "transfer_worker")
+        return fn is not None and any(
+            isinstance(node, ast.Attribute) and node.attr == "conclude_failure" for node in ast.walk(fn)
         )
 
     @functools.cached_property

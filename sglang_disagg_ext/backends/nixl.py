@@ -977,7 +977,8 @@ class NixlExtKVSender(NixlKVSender):
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.nixl`` to route to the plugin.
 
-    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl_newest``'s manager alone.
+    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl_newest``'s manager alone, where
+    F13 is (0.5.13-0.5.21) ``backends.nixl_swa_tp``'s.
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -991,4 +992,9 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         from sglang_disagg_ext.backends.nixl_newest import NixlNewestKVManager
 
         return {"NixlKVManager": NixlNewestKVManager}
+    if policy.is_live("F13"):
+        # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
+        from sglang_disagg_ext.backends.nixl_swa_tp import NixlSwaTpKVManager
+
+        return {"NixlKVManager": NixlSwaTpKVManager}
     return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}

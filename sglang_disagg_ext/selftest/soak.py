@@ -284,7 +284,7 @@ def carries_state(family: str, prefill_tp: int, decode_tp: int) -> bool:
     """Whether the soak's requests carry SWA state for ``family`` ("mooncake", "nixl") at these
     TP sizes on the installed release: always at equal sizes; across sizes where the ``-ext``
     backend sends SWA head slices: ``nixl-ext`` on every supported release (its own slices up
-    to 0.5.12.x, stock's on 0.5.23), ``mooncake-ext`` where stock Mooncake does
+    to 0.5.12.x (F4) and on 0.5.13-0.5.21 (F13), stock's from 0.5.22), ``mooncake-ext`` where stock Mooncake does
     (``releases.features().stock_swa_head_slice_backends``: 0.5.23). Stock NIXL up to 0.5.12.x
     refuses SWA state across TP sizes per request; the side-by-side soak shows it."""
     if prefill_tp == decode_tp or family == "nixl":

@@ -1,4 +1,4 @@
-"""nixl-ext on a pass-through release (0.5.13+): the name routes to SGLang's stock NIXL classes and moves bytes.
+"""nixl-ext on a pass-through release (a post-release of 0.5.13+ the table does not list): the name routes to SGLang's stock NIXL classes and moves bytes.
 
 One 1P1D KV transfer (5 pages, prefill TP 1 -> decode TP 1) through the transfer harness: two processes,
 SGLang's real bootstrap server and ``NixlKVManager``/sender/receiver, real NIXL over UCX (TCP on 127.0.0.1),
@@ -16,8 +16,9 @@ covers ``register_memory``, ``get_xfer_descs`` and ``prep_xfer_dlist`` (0.5.23 p
 to the last; ``NIXL_ERR_NOT_FOUND`` without the rewrite there). Nothing else is replaced; the plugin is loaded as in production. On a GPU node the
 shim is not needed (``docs/selftest-on-a-node.md``).
 
-On active releases (0.5.10.post1 - 0.5.12.x) this is n/a: ``nixl-ext`` is the plugin's own classes there,
-proven by the F4 differential in ``test_nixl_ext.py``.
+On releases the table lists this is n/a: ``nixl-ext`` is the plugin's own classes there (F4 up to 0.5.12.x,
+``test_nixl_ext.py``; F13 on 0.5.13-0.5.21, ``test_nixl_swa_tp.py``; F11 on 0.5.22/0.5.23, ``test_nixl_newest.py``).
+It runs on a post-release the table does not list (e.g. 0.5.19.post1), by hand.
 """
 
 import pytest
@@ -36,7 +37,8 @@ pytestmark = [
     pytest.mark.skipif(
         POLICY.routes("nixl"),
         reason=f"n/a on SGLang {POLICY.version} ({POLICY.support.value}): nixl-ext is the plugin's own classes "
-        "there, not a pass-through name; F4 differential in test_nixl_ext.py",
+        "there, not a pass-through name; differentials in test_nixl_ext.py (F4), test_nixl_swa_tp.py (F13), "
+        "test_nixl_newest.py (F11)",
     ),
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),
 ]

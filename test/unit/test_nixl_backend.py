@@ -196,7 +196,10 @@ def test_ext_classes_by_support():
 
     active = releases.policy_for("0.5.11")
     assert set(nixl_ext.ext_classes(active)) == {"NixlKVManager", "NixlKVSender", "NixlKVReceiver"}
-    assert nixl_ext.ext_classes(releases.policy_for("0.5.20")) == {}
+    # 0.5.13-0.5.21: F13 alone, over stock's manager; a release the table does not list passes through.
+    (manager,) = nixl_ext.ext_classes(releases.policy_for("0.5.20")).items()
+    assert manager[0] == "NixlKVManager" and manager[1].__name__ == "NixlSwaTpKVManager"
+    assert nixl_ext.ext_classes(releases.policy_for("0.5.19.post1")) == {}
 
 
 class RecordingSocket:

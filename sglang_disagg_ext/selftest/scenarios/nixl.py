@@ -205,8 +205,8 @@ def _stock_decode_replicas_of_several_heads(policy) -> str:
 
 
 def _stock_swa_across_tp(policy) -> str:
-    """Non-MLA SWA state across TP sizes: stock NIXL raises per request up to 0.5.12.x
-    (``releases.features().stock_swa_head_slice_backends``; 0.5.23 slices it)."""
+    """Non-MLA SWA state across TP sizes: stock NIXL raises per request up to 0.5.21
+    (``releases.features().stock_swa_head_slice_backends``; 0.5.22 and 0.5.23 slice it)."""
     return "pass" if "nixl" in releases.features().stock_swa_head_slice_backends else "fail"
 
 
@@ -250,6 +250,20 @@ def builtin_scenarios() -> List[NixlScenario]:
     out.append(NixlScenario("swa state from host memory", swa_host_scenario, swa_ok, _always_fail, stock_shim=False))
     out.append(NixlScenario("3 kv heads over decode tp 2", layout_scenario, layout_ok, _always_fail))
     return out
+
+
+F13_TOPOLOGIES = ((2, 1), (1, 2), (1, 4))
+
+
+def f13_scenarios() -> List[NixlScenario]:
+    """F13 (0.5.13-0.5.21): the ``kv+swa`` rows of :func:`builtin_scenarios`, stock's classes under both
+    names but ``-ext``'s ``maybe_send_extra``. The -ext runs get the host-memory shim as stock's do
+    (``NixlSwaTpKVManager`` keeps stock's memory handling); stock raises per request there."""
+    return [
+        NixlScenario(f"kv+swa tp{p}->tp{d} h2", lambda p=p, d=d: swa_tp_scenario(p, d), all_ok,
+                     _stock_swa_across_tp, fix="F13", ext_shim=True)
+        for p, d in F13_TOPOLOGIES
+    ]
 
 
 def by_name(name: str) -> NixlScenario:

@@ -289,11 +289,16 @@ SCENARIOS = _rows()
 
 
 def nixl_scenarios(policy) -> list:
-    """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.22, 0.5.23), else F4's.
+    """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.22, 0.5.23), F13's
+    where that is (0.5.13-0.5.21), else F4's.
 
     The Success-message listener row runs only where that message is decode's one source of
     Success (0.5.23); on 0.5.22 decode concludes Success from NIXL notifications itself, so the
     fault it injects is never reached there (the Failed-message row covers that release)."""
+    if policy.is_live("F13"):
+        from sglang_disagg_ext.selftest.scenarios.nixl import f13_scenarios
+
+        return f13_scenarios()
     if not policy.is_live("F11"):
         return builtin_scenarios()
     from sglang_disagg_ext import releases
