@@ -135,7 +135,8 @@ FIX_TITLES = {
     "F11": "NIXL (head-sliced path): an unsliceable decode is refused at registration, SWA page lists aligned as Mooncake, "
     "the bootstrap thread survives a failed registration and the decode listener a failed status message",
     "F12": "MoRI (TCP metadata path): each metadata row travels ahead of its room's status on one ordered channel; "
-    "a row whose length does not match fails the room with a reason instead of being dropped",
+    "a row whose length does not match fails the room with a reason instead of being dropped; a status message "
+    "whose handling raises fails its room on decode at once",
     "F13": "NIXL across attention TP sizes: SWA state sent as head slices (F4's layout) where stock refuses "
     "every request of a hybrid SWA model",
 }

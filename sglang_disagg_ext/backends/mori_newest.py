@@ -46,6 +46,13 @@ What this module changes:
   the engine). Before registering, the decode asks the prefill's bootstrap
   server for ``ORDER_ROUTE`` (served by :class:`MoriOrderedKVBootstrapServer`
   only) and fails the request with the reason when it is missing.
+* **A status message whose handling raises** (decode, issue 15): stock's decode
+  status worker (0.5.23 mori/conn.py:1007-1042, the same loop from 0.5.20) catches
+  any exception from ``apply_prefill_status``, logs it and goes on, but leaves the
+  room as it was: prefill has concluded it, decode holds it until SGLang's waiting
+  timeout (300 s by default). Here that room ends Failed on decode at once with
+  the exception in the reason, counted in
+  ``thread_recoveries_total{role="decode",thread="status_worker"}``.
 
 With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
 waits for them (stock), so only the length check of the prefill path applies.
@@ -66,6 +73,7 @@ from sglang.srt.utils.network import NetworkAddress
 from sglang_disagg_ext import activation_log, metrics, releases
 from sglang_disagg_ext.backends.shared import probe_prefill_version, register_appending
 from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
+from sglang_disagg_ext.core.thread_survival import failure_reason as thread_failure_reason
 
 logger = logging.getLogger("sglang_disagg_ext.mori")
 
@@ -201,6 +209,36 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
             self._fail_room(room, problem, "decode")
             return
         AuxDataCodec.deserialize_data_to_buffer(args, buffer_index, row, data)
+
+    # -- decode: a status message whose handling raises -------------------------------------------------
+    def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,
+                             **kwargs):
+        """Stock, but an exception fails the room on decode instead of leaving it to the timeout.
+
+        Contract: decode only; stock's decode status worker calls it for each status
+        message of a prefill rank (Success or Failed), in socket order after that
+        room's metadata rows, possibly for a room it already cleared. Stock's loop
+        logs an exception and reads the next message; the room it was about would
+        then wait out SGLang's waiting timeout although prefill concluded it. Must
+        not raise.
+        """
+        try:
+            return super().apply_prefill_status(bootstrap_room=bootstrap_room, status=status,
+                                                prefill_rank=prefill_rank, failure_reason=failure_reason, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            logger.exception("mori-ext: decode status worker: apply_prefill_status raised for room %s; the room "
+                             "is failed, the worker keeps serving", bootstrap_room)
+            metrics.count("thread_recoveries_total", role="decode", thread="status_worker")
+            if bootstrap_room not in self.request_status:
+                return None  # cleared: a record now would be adopted by a later room of that number
+            reason = thread_failure_reason("mori-ext decode status worker: apply_prefill_status", exc)
+            try:
+                self.record_failure(bootstrap_room, reason)
+                # The class's method, not an instance attribute: the fault may be in the latter.
+                _conn.MoriKVManager.update_status(self, bootstrap_room, KVPoll.Failed)
+            except Exception:  # noqa: BLE001 - never out of the worker
+                logger.exception("mori-ext: could not fail room %s after the status fault", bootstrap_room)
+            return None
 
     def _fail_room(self, room: int, problem: str, side: str) -> None:
         reason = f"mori-ext (F12) {side}: {problem}"

@@ -113,6 +113,35 @@ def test_stock_reports_success_before_the_metadata_lands_ext_never():
 @pytest.mark.engine
 @needs_live
 @pytest.mark.timeout(300)
+def test_decode_status_worker_fault_fails_the_room_at_once():
+    """A status message whose handling raises on decode (test-only decode hook
+    ``prefill_faults.raise_on_status_success``: decode's ``update_status(1000, Success)``, called
+    by ``apply_prefill_status`` on the status worker, raises once). Stock's worker logs it and
+    goes on, leaving room 1000 to SGLang's waiting timeout; ``-ext`` fails it on decode at once
+    with the exception in the reason, counts one recovery, and serves room 1001."""
+    _standin_or_skip()
+    from sglang_disagg_ext.selftest.harness.run import run_scenario
+
+    stock = run_scenario(f12.status_fault(), "mori", extra_env=f12.status_fault_env())
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe(logs=False)
+    assert f12.status_fault_stock_signature(stock), stock.describe(logs=False)
+
+    ext = run_scenario(f12.status_fault(), "mori-ext", extra_env=f12.status_fault_env())
+    assert ext.prefill_manager == EXT_MANAGER == ext.decode_manager, ext.describe(logs=False)
+    assert f12.status_worker_survived(ext), ext.describe(logs=False)
+    bad, good = ext.requests
+    assert bad.decode_failure_reason == (
+        "mori-ext decode status worker: apply_prefill_status raised InjectedFault: injected fault: decode status "
+        "handler for room 1000; the room is failed, the thread keeps serving"
+    ), ext.describe(logs=False)
+    assert good.bytes_verified and good.mismatches == [], ext.describe(logs=False)
+    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="status_worker"} 1.0'
+    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics
+
+
+@pytest.mark.engine
+@needs_live
+@pytest.mark.timeout(300)
 def test_short_metadata_row_fails_on_both_sides():
     _standin_or_skip()
     scn = f12.short_row()
@@ -213,14 +242,15 @@ def test_decode_checks_each_row_instead_of_dropping_or_overrunning(conn_modules)
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_selftest_rows_run_where_f12_is_live_and_say_why_not_elsewhere():
-    """The two F12 rows of ``selftest --backend mori``: on 0.5.23 stock reproduces (a stale row;
-    4 stale bytes) and -ext passes, verified; elsewhere both rows are n/a naming F12's status."""
+    """The three F12 rows of ``selftest --backend mori``: where F12 is live stock reproduces (a
+    stale row; 4 stale bytes; a room held until the waiting timeout) and -ext passes, verified;
+    elsewhere every row is n/a naming F12's status."""
     from sglang_disagg_ext.selftest.harness.transport import TransferOptions
 
     rows = {r["scenario"]: r for r in f12.rows(options=TransferOptions(), names=list(f12.ROW_NAMES))}
-    assert set(rows) == {"mori-aux-order", "mori-aux-short-row"}
+    assert set(rows) == {"mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault"}
     for r in rows.values():
         assert r["fix"] == "F12" and r["backend"] == "mori", r
         if not LIVE:

@@ -36,7 +36,7 @@ RACE_REQUESTS = 200
 # The selftest row's share of the race (the test runs RACE_REQUESTS): with every row
 # message 30 ms late, stock shows a stale row from the first request on.
 ROW_REQUESTS = 20
-ROW_NAMES = ("mori-aux-order", "mori-aux-short-row")
+ROW_NAMES = ("mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault")
 DELAY_MS = 30
 SHORT_BUFFER, SHORT_BY = 1, 4
 HOOKS = "aux_wire.py"
@@ -89,6 +89,80 @@ def short_row_reason(prefill_len: int, decode_len: int) -> str:
     )
 
 
+# -- the decode status worker (issue 15: a status message whose handling raises) -----------------------
+# Decode hook in test/support/prefill_faults.py: decode's update_status(1000, Success), which
+# apply_prefill_status calls on the status worker for prefill's Success message, raises once.
+STATUS_FAULT_HOOK = "raise_on_status_success"
+STATUS_FAULT = "injected fault: decode status handler for room 1000"
+STATUS_FAULT_REASON = (
+    f"mori-ext decode status worker: apply_prefill_status raised InjectedFault: {STATUS_FAULT}; "
+    "the room is failed, the thread keeps serving"
+)
+# The rooms run one after another on each side: on stock, decode starts room 1001 only after
+# room 1000 waited out the waiting timeout, while prefill's room 1001 bootstraps from room
+# 1000's end; a bootstrap timeout of three waiting timeouts keeps that harness artefact from
+# deciding room 1001 (as nixl_newest.LISTENER_FAULT_TIMEOUTS).
+STATUS_FAULT_TIMEOUTS = Timeouts(request_s=30.0, startup_s=150.0, sglang_waiting_s=4.0, sglang_bootstrap_s=12.0)
+# -ext fails room 1000 on decode at once; well under the 4 s waiting timeout.
+FAILED_WITHIN_S = 2.0
+
+
+def status_fault() -> Scenario:
+    """Two requests: KV page 1 -> 2 and metadata row 1 -> 2, then page 3 -> 3 and row 2 -> 3."""
+    return Scenario(
+        name="mori decode status worker raises",
+        kv=KVPoolSpec(num_pages=4),
+        requests=[
+            RequestSpec(src_kv_pages=[1], dst_kv_pages=[2], aux_index=1, dst_aux_index=2),
+            RequestSpec(src_kv_pages=[3], dst_kv_pages=[3], aux_index=2, dst_aux_index=3),
+        ],
+        timeouts=STATUS_FAULT_TIMEOUTS,
+    )
+
+
+def status_fault_env() -> Dict[str, str]:
+    """The stand-in, metadata rows through the engine (the status-worker fault, not F12's race,
+    is what this scenario is about), and the decode hook."""
+    path = os.path.join(mori_rows._repo_root(), "test", "support", "prefill_faults.py")
+    if not os.path.isfile(path):
+        raise RuntimeError("the fault hooks live in a source checkout (test/support/prefill_faults.py); none here")
+    out = mori_rows.standin_env(aux_rdma=True)
+    out["SGLANG_HARNESS_DECODE_MANAGER_HOOK"] = f"{path}:{STATUS_FAULT_HOOK}"
+    return out
+
+
+def status_worker_survived(result) -> bool:
+    """-ext: room 1000 Success on prefill, Failed on decode with :data:`STATUS_FAULT_REASON` within
+    :data:`FAILED_WITHIN_S`, nothing written outside its pages; room 1001 Success with every byte
+    checked (the worker served after the fault); no thread died."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    return (
+        (bad.prefill_status, bad.decode_status) == ("Success", "Failed")
+        and bad.decode_failure_reason == STATUS_FAULT_REASON
+        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
+        and not any("must be untouched" in m for m in bad.mismatches)
+        and good.ok
+        and not any(r.thread_errors for r in result.requests)
+    )
+
+
+def status_fault_stock_signature(result) -> bool:
+    """Stock: room 1000 Success on prefill but held on decode until SGLang's waiting timeout
+    (the worker logged the exception and left the room); room 1001 Success (the loop went on)."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    waited = STATUS_FAULT_TIMEOUTS.sglang_waiting_s
+    return (
+        (bad.prefill_status, bad.decode_status) == ("Success", "Failed")
+        and "timed out" in (bad.decode_failure_reason or "")
+        and bad.decode_seconds is not None and bad.decode_seconds >= waited - 0.5
+        and (good.prefill_status, good.decode_status) == ("Success", "Success")
+    )
+
+
 def run(scenario: Scenario, backend: str, hook: str, timeout_s: float = 240.0):
     from sglang_disagg_ext.selftest.harness.run import run_scenario
 
@@ -135,7 +209,9 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
       late; stock must report Success with a stale row (its signature), ``-ext`` every
       request Success with every byte verified;
     * ``mori-aux-short-row``: a 60-byte prefill row for decode's 64-byte row; stock
-      Success with a stale tail, ``-ext`` Failed on both sides naming buffer, row and sizes.
+      Success with a stale tail, ``-ext`` Failed on both sides naming buffer, row and sizes;
+    * ``mori-status-worker-fault``: decode's handling of room 1000's Success raises once; stock
+      holds the room until the waiting timeout, ``-ext`` fails it at once, room 1001 served.
 
     "n/a" with the reason where F12 is not live, on the real engine (the rows need the
     stand-in's host copies and the test hooks), for non-default transfer options, or
@@ -196,6 +272,22 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
             stock_expected="fail (Success with 4 stale bytes)", stock_reproduced=reproduced,
             stock_detail=None if reproduced else stock.describe(logs=False),
             detail="-ext: Failed on both sides naming buffer, row and sizes; decode's rows untouched",
+            ext_detail=None if ext_ok else ext.describe(logs=False),
+        ))
+    if "mori-status-worker-fault" in wanted:
+        start = time.monotonic()
+        from sglang_disagg_ext.selftest.harness.run import run_scenario
+
+        stock = run_scenario(status_fault(), "mori", timeout_s=timeout_s, extra_env=status_fault_env())
+        ext = run_scenario(status_fault(), "mori-ext", timeout_s=timeout_s, extra_env=status_fault_env())
+        reproduced = status_fault_stock_signature(stock)
+        ext_ok = status_worker_survived(ext)
+        rows.append(row(
+            "mori-status-worker-fault", "fail" if reproduced or not stock.ok else "pass", "pass" if ext_ok else "fail",
+            ext_ok and reproduced, time.monotonic() - start,
+            stock_expected="fail (room held on decode until the waiting timeout)", stock_reproduced=reproduced,
+            stock_detail=None if reproduced else stock.describe(logs=False),
+            detail="-ext: the room Failed on decode at once with the exception; the next room served",
             ext_detail=None if ext_ok else ext.describe(logs=False),
         ))
     return rows
