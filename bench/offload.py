@@ -10,6 +10,11 @@ A benchmark, not a test. For one retracted request it times
   an offload has to put its copy in new host memory too) and copied back with
   ``copy_``,
 * **memcpy**: the same, into a preallocated host tensor (the bandwidth bound),
+* **gather**: a plain gather and scatter of the *same pages* of the same pool, per layer,
+  one memcpy per page row (CPU: NumPy fancy indexing over row-sized items, into new host
+  memory and back; CUDA: ``index_select``/``index_copy_`` on 8-byte words): what the access
+  pattern itself costs, so ext/gather says how much the plugin adds on top of it and
+  gather/plain how much of the gap to a contiguous copy is the pattern's,
 
 interleaved (ext, plain, memcpy, then plain, memcpy, ext, then memcpy, ext, plain, ...: the
 order rotates so no variant always runs right after the same other one) and reports the medians and the
@@ -34,7 +39,7 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang_disagg_ext.backends import retract
-from sglang_disagg_ext.core.page_chunks import page_chunk_rows, peak_chunk_bytes
+from sglang_disagg_ext.core.page_chunks import page_chunk_rows, page_starts, peak_chunk_bytes
 from sglang_disagg_ext.selftest.scenarios.f5 import PAGE_SIZE, build_nsa_pool
 
 
@@ -121,6 +126,28 @@ def measure_offload(
             s.copy_(h)
         _sync(device)
 
+    layers = list(pool.index_k_with_scale_buffer)
+    page_index = torch.as_tensor(page_starts(indices, pool.page_size)).to(device=device, dtype=torch.int64)
+
+    if torch.device(device).type == "cpu":
+        # One memcpy per page row: NumPy fancy indexing over opaque row-sized items.
+        row_views = [retract._numpy_rows(layer) for layer in layers]
+        page_np = page_index.numpy()
+
+        def gather_round_trip():
+            copies = [rows[page_np] for rows in row_views]
+            for rows, h in zip(row_views, copies):
+                rows[page_np] = h
+    else:
+        wide = [layer.view(torch.int64) for layer in layers]
+
+        def gather_round_trip():
+            copies = [w.index_select(0, page_index).to("cpu") for w in wide]
+            _sync(device)
+            for w, h in zip(wide, copies):
+                w.index_copy_(0, page_index, h.to(w.device))
+            _sync(device)
+
     def memcpy_round_trip():
         for s, h in zip(memcpy_src, host):
             h.copy_(s)
@@ -136,8 +163,9 @@ def measure_offload(
     assert sum(t.nbytes for layer in copy for t in layer) == total_bytes
     del before, copy
 
-    timings: Dict[str, List[float]] = {"ext": [], "plain": [], "memcpy": []}
-    runs = {"ext": ext_round_trip, "plain": plain_round_trip, "memcpy": memcpy_round_trip}
+    timings: Dict[str, List[float]] = {"ext": [], "plain": [], "memcpy": [], "gather": []}
+    runs = {"ext": ext_round_trip, "plain": plain_round_trip, "memcpy": memcpy_round_trip,
+            "gather": gather_round_trip}
     for fn in runs.values():  # warm-up
         fn()
     names = list(runs)
@@ -148,7 +176,8 @@ def measure_offload(
             t0 = time.perf_counter()
             runs[name]()
             timings[name].append(time.perf_counter() - t0)
-    ext_med, plain_med, memcpy_med = (statistics.median(timings[k]) for k in ("ext", "plain", "memcpy"))
+    ext_med, plain_med, memcpy_med, gather_med = (
+        statistics.median(timings[k]) for k in ("ext", "plain", "memcpy", "gather"))
 
     if torch.device(device).type == "cuda":
         peak_extra = _cuda_peak_extra(ext_round_trip, device)
@@ -175,6 +204,10 @@ def measure_offload(
         "memcpy_GBps": 2 * total_bytes / memcpy_med / 1e9,
         "ratio": plain_med / ext_med,  # ext throughput / plain-copy throughput
         "ratio_memcpy": memcpy_med / ext_med,  # ext throughput / preallocated memcpy throughput
+        "gather_s": gather_med,
+        "gather_GBps": 2 * total_bytes / gather_med / 1e9,
+        "ratio_gather": gather_med / ext_med,  # ext throughput / torch's gather+scatter of the same pages
+        "gather_over_plain": plain_med / gather_med,  # the access pattern alone vs a contiguous copy
         "peak_extra_bytes": peak_extra,
         "one_chunk_bytes": one_chunk,
         "within_one_chunk": peak_extra <= one_chunk,
@@ -193,14 +226,16 @@ DEFAULT_CASES = [
 
 def format_table(rows: List[Dict]) -> str:
     head = ("pages", "scattered", "chunk", "MiB", "ext ms", "plain ms", "memcpy ms", "ext GB/s", "plain GB/s",
-            "ratio ext/plain", "ratio ext/memcpy", "peak extra KiB", "1 chunk KiB", "within")
+            "ratio ext/plain", "ratio ext/memcpy", "gather ms", "ratio ext/gather", "ratio gather/plain",
+            "peak extra KiB", "1 chunk KiB", "within")
     lines = [" | ".join(head)]
     for r in rows:
         lines.append(" | ".join(str(x) for x in (
             r["request_pages"], "y" if r["scattered"] else "n", f'{r["chunk_tokens"]}t/{r["chunk_pages"]}p',
             f'{r["bytes"] / 2**20:.1f}', f'{r["ext_s"] * 1e3:.2f}', f'{r["plain_s"] * 1e3:.2f}',
             f'{r["memcpy_s"] * 1e3:.2f}', f'{r["ext_GBps"]:.2f}', f'{r["plain_GBps"]:.2f}', f'{r["ratio"]:.2f}',
-            f'{r["ratio_memcpy"]:.2f}',
+            f'{r["ratio_memcpy"]:.2f}', f'{r["gather_s"] * 1e3:.2f}', f'{r["ratio_gather"]:.2f}',
+            f'{r["gather_over_plain"]:.2f}',
             f'{r["peak_extra_bytes"] / 1024:.1f}', f'{r["one_chunk_bytes"] / 1024:.0f}',
             "yes" if r["within_one_chunk"] else "NO",
         )))

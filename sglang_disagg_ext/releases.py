@@ -138,7 +138,7 @@ FIX_TITLES = {
     "a row whose length does not match fails the room with a reason instead of being dropped; a status message "
     "whose handling raises fails its room on decode at once",
     "F13": "NIXL across attention TP sizes: SWA state sent as head slices (F4's layout) where stock refuses "
-    "every request of a hybrid SWA model",
+    "every request of a hybrid SWA model; up to 0.5.16 also the KV heads of a decode that replicates them",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -311,7 +311,11 @@ _ACTIVE_RELEASES = {
 # state whenever the TP sizes differ on every release 0.5.13-0.5.21 (0.5.13 nixl/conn.py:1616-1618,
 # 0.5.16 :2061-2063, 0.5.19 :2374-2376, 0.5.21 :2674-2676); 0.5.22 added _send_swa_state_slice
 # (features().stock_swa_head_slice_backends reads it), so upstream from there. n/a up to 0.5.12.x:
-# F4's classes already send SWA state as head slices there.
+# F4's classes already send SWA state as head slices there. F4's decode-replica part reached stock
+# NIXL's prepared slice lists only in 0.5.17 (features().stock_nixl_prep_serves_decode_replicas):
+# on 0.5.13-0.5.16 a decode whose TP size exceeds the KV heads kills prefill's bootstrap thread
+# (NIXL_ERR_NOT_FOUND); F13's class slices those peers' KV itself there (F4 stays "upstream" in this
+# table: its own classes do not run on 0.5.13+).
 _PASS_THROUGH_FIXES = {
     "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
     "F11": _N, "F12": _X, "F13": _X,
@@ -737,6 +741,18 @@ class SGLangFeatures:
             backend for backend in ("mooncake", "nixl")
             if "def _send_swa_state_slice(" in _stock_disaggregation_source(f"{backend}/conn.py")
         )
+
+    @functools.cached_property
+    def stock_nixl_prep_serves_decode_replicas(self) -> bool:
+        """Whether stock NIXL's prepared head-slice lists serve a decode that replicates KV heads
+        (decode TP size above the model's KV heads; read from the installed
+        ``disaggregation/nixl/conn.py``, imports nothing). ``_init_hetero_tp_prep_handle`` lays out
+        one group per *unique* head slice from 0.5.17 (``dst_replication``, 0.5.17 nixl/conn.py:842);
+        up to 0.5.16 one per decode rank with heads picked by modulo (0.5.16 :771-776), which
+        addresses past the registered KV region (``NIXL_ERR_NOT_FOUND`` on the bootstrap thread).
+        True where the method is absent (nothing prepared: 0.5.10.post1-0.5.12.x)."""
+        fn = _stock_method_ast("nixl/conn.py", "NixlKVManager", "_init_hetero_tp_prep_handle")
+        return fn is None or any(isinstance(n, ast.Name) and n.id == "dst_replication" for n in ast.walk(fn))
 
     @functools.cached_property
     def stock_nixl_worker_tells_decode(self) -> bool:

@@ -1,7 +1,8 @@
-"""``nixl-ext`` on 0.5.13-0.5.21 (F13): stock ``NixlKVManager``, SWA state sent as head slices across TP sizes.
+"""``nixl-ext`` on 0.5.13-0.5.21 (F13): stock ``NixlKVManager``, SWA state (and up to 0.5.16 replicated KV
+heads) sent as head slices across TP sizes.
 
-F4 (KV head slices, notification keys, memory kinds) is upstream from 0.5.13, so
-this class changes one method on prefill. Stock ``maybe_send_extra`` raises
+F4 (KV head slices, notification keys, memory kinds) is upstream from 0.5.13 (but
+see below for 0.5.13-0.5.16), so this class changes prefill's state send. Stock ``maybe_send_extra`` raises
 "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid
 models yet." for a non-MLA SWA component whenever prefill's and decode's
 attention TP sizes differ (0.5.13 nixl/conn.py:1616-1618, 0.5.19 :2374-2376,
@@ -25,6 +26,15 @@ F4's head layout (``core.head_slice``) places it exactly as KV:
 * every other component goes to stock's ``maybe_send_extra`` unchanged (its
   SWA entries emptied, which stock skips).
 
+Up to 0.5.16 one more piece of F4 is missing upstream: stock's prepared head-slice lists
+(``_init_hetero_tp_prep_handle``) have one head group per decode rank and pick a decode
+rank's heads by modulo, so a decode whose TP size exceeds the model's KV heads (it
+replicates them) makes ``prep_xfer_dlist`` raise ``NIXL_ERR_NOT_FOUND`` on prefill's
+bootstrap thread, which dies. For such a peer (and only there, only where
+``releases.features().stock_nixl_prep_serves_decode_replicas`` is False) nothing is
+prepared and ``send_kvcache_slice`` posts this rank's KV heads per chunk with the same
+head math.
+
 A layout the head math cannot serve (heads that do not split over a TP size,
 an SWA pool whose head bytes differ between the sides, different layer-buffer
 counts) raises ``HeadLayoutError`` naming the component and the sizes; stock's
@@ -39,7 +49,7 @@ from typing import List, Optional
 import numpy as np
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-from sglang_disagg_ext import activation_log
+from sglang_disagg_ext import activation_log, releases
 from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.head_slice import (
     HeadLayout,
@@ -99,10 +109,10 @@ class NixlSwaTpKVManager(NixlKVManager):
                             logger)
                 src_pages, dst_pages = src_a, dst_a
             dst_item_lens = list(dst_lens[i]) if i < len(dst_lens) and dst_lens[i] else None
-            handles.append(self._f13_post_swa_slice(
-                peer_name, i, src_pages, dst_pages, list(dst_state_data_ptrs[i]),
-                int(dst_item_lens[0]) if dst_item_lens else None, dst_gpu_id, f"{notif}_{i}",
-                decode_tp_size, decode_tp_rank,
+            handles.append(self._f13_post_head_slice(
+                peer_name, f"SWA state (component {i})", list(self.kv_args.state_data_ptrs[i]), list(dst_state_data_ptrs[i]),
+                int(self.kv_args.state_item_lens[i][0]), int(dst_item_lens[0]) if dst_item_lens else None,
+                src_pages, dst_pages, dst_gpu_id, f"{notif}_{i}", decode_tp_size, decode_tp_rank,
             ))
         return handles
 
@@ -117,19 +127,70 @@ class NixlSwaTpKVManager(NixlKVManager):
             and prefill_state_indices[i] is not None and len(prefill_state_indices[i])
         ]
 
-    def _f13_post_swa_slice(self, peer_name: str, i: int, src_pages, dst_pages, dst_ptrs: List[int],
-                            dst_item_len: Optional[int], dst_gpu_id: int, notif: str, decode_tp_size: int,
-                            decode_tp_rank: int):
-        """Post this rank's heads of SWA component ``i``'s ``src_pages`` into ``dst_pages``.
+    # -- KV across TP sizes where stock's prepared slice lists are wrong (0.5.13-0.5.16) ---------------
+    def _init_hetero_tp_prep_handle(self, peer_name, decode_kv_args, *args, **kwargs):
+        """Stock's prepared head-slice lists for a decode of another TP size, unless stock gets them wrong.
 
-        Returns the posted handle, or None after sending ``notif`` alone where this
-        rank holds a replica of the decode rank's heads (another prefill rank sends
-        them; decode still counts one state notification per prefill rank)."""
-        what = f"SWA state (component {i})"
-        prefill_tp = int(self.attn_tp_size)
-        heads = resolve_total_kv_heads(
-            getattr(self.kv_args, "total_kv_head_num", None), getattr(self.kv_args, "kv_head_num", 0) or 0, prefill_tp
+        Contract: prefill only, on the bootstrap thread, from stock ``_prepare_payload_xfer``
+        while a decode rank of another attention TP size registers (non-MLA); must leave
+        what ``send_kvcache_slice`` reads for that peer. Up to 0.5.16 stock lays out one
+        head group per decode rank and picks a decode rank's heads by modulo (0.5.16
+        nixl/conn.py:771-776), so a decode that replicates KV heads (decode TP size above
+        the model's KV heads) addresses past the registered KV region:
+        ``prep_xfer_dlist`` raises ``NIXL_ERR_NOT_FOUND`` on the bootstrap thread, which
+        dies, and every later room waits out SGLang's timeouts. For such a peer nothing
+        is prepared here; :meth:`send_kvcache_slice` slices each chunk itself.
+        """
+        if self._f4_stock_prep_serves(decode_kv_args):
+            return super()._init_hetero_tp_prep_handle(peer_name, decode_kv_args, *args, **kwargs)
+        logger.info("nixl-ext: decode %s (TP size %s) replicates KV heads: its KV head slices are built per "
+                    "chunk (stock's prepared lists cannot serve it on this release)", peer_name,
+                    decode_kv_args.decode_tp_size)
+        return None
+
+    def send_kvcache_slice(self, peer_name, prefill_kv_indices, dst_kv_indices, notif, *args, **kwargs):
+        """Stock's prepared slice transfer, or this rank's KV heads posted directly (see above).
+
+        Contract: prefill only, on a ``transfer_worker`` thread, per KV chunk to a decode
+        rank of another attention TP size (non-MLA); ``dst_kv_indices`` is the chunk's
+        slice of decode's pages. Returns a posted handle (or None after a
+        notification-only message from a replica rank); never waits for the bytes.
+        """
+        info = self.decode_kv_args_table[peer_name]
+        if self._f4_stock_prep_serves(info):
+            return super().send_kvcache_slice(peer_name, prefill_kv_indices, dst_kv_indices, notif, *args, **kwargs)
+        return self._f13_post_head_slice(
+            peer_name, "KV", list(self.kv_args.kv_data_ptrs), list(info.dst_kv_ptrs), int(self.kv_args.kv_item_lens[0]),
+            int(info.dst_kv_item_len), prefill_kv_indices, dst_kv_indices, info.gpu_id, notif,
+            int(info.decode_tp_size), int(info.decode_tp_rank),
         )
+
+    def _f4_stock_prep_serves(self, decode_kv_args) -> bool:
+        """Whether stock's prepared head-slice lists are right for this decode: always from 0.5.17
+        (``releases.features().stock_nixl_prep_serves_decode_replicas``), else only while the
+        decode holds distinct heads (its TP size at most the model's KV heads)."""
+        if releases.features().stock_nixl_prep_serves_decode_replicas:
+            return True
+        return int(decode_kv_args.decode_tp_size) <= self._f13_total_kv_heads()
+
+    def _f13_total_kv_heads(self) -> int:
+        return resolve_total_kv_heads(
+            getattr(self.kv_args, "total_kv_head_num", None), getattr(self.kv_args, "kv_head_num", 0) or 0,
+            int(self.attn_tp_size),
+        )
+
+    # -- posting one head slice ---------------------------------------------------------------------
+    def _f13_post_head_slice(self, peer_name: str, what: str, src_ptrs: List[int], dst_ptrs: List[int], src_item_len: int,
+                             dst_item_len: Optional[int], src_pages, dst_pages, dst_gpu_id: int, notif: str,
+                             decode_tp_size: int, decode_tp_rank: int):
+        """Post this rank's heads of ``src_pages`` into ``dst_pages`` of a paged K/V buffer list
+        (K layers then V, the same count on both sides).
+
+        Returns the posted handle, or None after sending ``notif`` alone where this rank
+        holds a replica of the decode rank's heads or has no pages (another prefill rank
+        sends them; decode still counts one notification per prefill rank)."""
+        prefill_tp = int(self.attn_tp_size)
+        heads = self._f13_total_kv_heads()
         try:
             layout = HeadLayout(prefill_tp, decode_tp_size, heads)
             head_slice = layout.head_slice(self.kv_args.engine_rank % prefill_tp, decode_tp_rank % decode_tp_size)
@@ -138,17 +199,15 @@ class NixlSwaTpKVManager(NixlKVManager):
                 f"nixl-ext: {what}: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
                 f"{decode_tp_size}: {exc}"
             ) from None
-        if not head_slice.is_sender:
+        if not head_slice.is_sender or not len(src_pages):
             self.agent.send_notif(peer_name, notif.encode("ascii"))
             return None
-        src_ptrs = list(self.kv_args.state_data_ptrs[i])
         if len(src_ptrs) != len(dst_ptrs):
             raise HeadLayoutError(
                 f"nixl-ext: {what}: prefill registers {len(src_ptrs)} layer buffers, decode {len(dst_ptrs)}; "
                 "the layers cannot be paired"
             )
         page_size = int(self.kv_args.page_size)
-        src_item_len = int(self.kv_args.state_item_lens[i][0])
         head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
         if dst_item_len is None:
             dst_item_len = head_bytes * page_size * layout.decode_heads_per_rank
@@ -163,7 +222,7 @@ class NixlSwaTpKVManager(NixlKVManager):
             src_ptrs, dst_ptrs, src_pages, dst_pages, page_size=page_size, src_item_len=src_item_len,
             dst_item_len=dst_item_len, head_slice=head_slice, head_bytes=head_bytes,
         )
-        # Stock's state transfers register and describe both sides as "VRAM" on these releases.
+        # Stock's state and slice transfers describe both sides as "VRAM" on these releases.
         src_reqs = np.column_stack([rows[:, 0], rows[:, 2], np.full(len(rows), self.kv_args.gpu_id, np.int64)])
         dst_reqs = np.column_stack([rows[:, 1], rows[:, 2], np.full(len(rows), dst_gpu_id, np.int64)])
         src_descs = self.agent.get_xfer_descs(src_reqs, "VRAM")

@@ -1,5 +1,9 @@
 """F13 on real NIXL (UCX over 127.0.0.1), 0.5.13-0.5.21: SWA state across attention TP sizes, stock ``nixl`` vs ``nixl-ext``.
 
+Up to 0.5.16 F13's class also slices the KV heads of a decode that replicates them (decode TP
+size above the KV heads), where stock's prepared slice lists kill prefill's bootstrap thread:
+a KV-only TP 1 -> 4 case shows that on its own.
+
 One process per rank, prefill TP 2 -> decode TP 1, 1 -> 2 and 1 -> 4, a model with 2 KV
 heads whose SWA window cache is sharded like its KV (``scenarios.nixl.swa_tp_scenario``: KV
 pages 1-3 -> 5-7, SWA state pages 2, 3 -> 8, 9, aux row 1 -> 2). Decode ranks check every
@@ -40,9 +44,19 @@ REFUSAL = "PD Disaggregation does NOT support PD different TP sizes for non-MLA 
 RUN_BOUND_S = 240  # one run: startup, one request (stock: up to SGLang's waiting timeout), teardown
 
 
+HEADS = 2  # the scenarios' total KV heads (swa_tp_scenario's and kv_replicas' default)
+NOT_FOUND = "(bootstrap_thread): nixlNotFoundError: NIXL_ERR_NOT_FOUND"
+
+
+def kv_replicas():
+    """KV only, prefill TP 1 -> decode TP 4, 2 KV heads: each head on two decode ranks."""
+    return S.tp_scenario(1, 4, HEADS, chunks=1)
+
+
 @functools.lru_cache(maxsize=None)
-def run(p: int, d: int, backend: str):
-    result = run_scenario(S.swa_tp_scenario(p, d), backend, extra_env={nixl_shim.ENV: "1"})
+def run(p: int, d: int, backend: str, kv_only: bool = False):
+    scenario = kv_replicas() if kv_only else S.swa_tp_scenario(p, d)
+    result = run_scenario(scenario, backend, extra_env={nixl_shim.ENV: "1"})
     assert result.prefill_manager == (EXT_MANAGER if backend == "nixl-ext" else STOCK_MANAGER), result.describe()
     assert result.decode_manager == result.prefill_manager, result.describe()
     return result
@@ -57,13 +71,48 @@ def per_rank(names, text: str) -> str:
     return "; ".join(f"{n}: {text}" for n in names) if len(names) > 1 else f"{names[0]}: {text}"
 
 
+def assert_bootstrap_thread_died(result, d: int):
+    """Stock up to 0.5.16 with a decode replicating KV heads: prefill's bootstrap thread died with
+    NIXL_ERR_NOT_FOUND while preparing that decode's slice lists (0.5.16 nixl/conn.py:771-776 lay
+    out one head group per decode rank); the room never leaves Bootstrapping on prefill and every
+    decode rank ends it by SGLang's waiting timeout."""
+    (r,) = result.requests
+    assert any(NOT_FOUND in t for t in r.thread_errors), result.describe()
+    assert r.rank_status["prefill0"] == "Bootstrapping", result.describe()
+    waited = S.FIVE_RANK_TIMEOUTS.sglang_waiting_s  # 1 + 4 ranks: tp_scenario's timeouts for five processes
+    for k in range(d):
+        assert r.rank_status[f"decode{k}"] == "Failed", result.describe()
+        assert f"decode{k}: Request 1000 timed out" in r.decode_failure_reason, result.describe()
+    assert r.decode_seconds >= waited - 0.5, result.describe()
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(releases.features().stock_nixl_prep_serves_decode_replicas,
+                    reason="n/a: stock NIXL's prepared KV slice lists serve decode replicas here (0.5.17+)")
+def test_stock_kv_to_replicating_decode_kills_the_bootstrap_thread_ext_serves_it():
+    """KV only, TP 1 -> TP 4 with 2 KV heads (0.5.13-0.5.16): stock's bootstrap thread dies and the
+    room times out; -ext slices those KV heads per chunk: Success on every rank, every element of
+    each decode rank's head checked, every other page its sentinel."""
+    assert_bootstrap_thread_died(run(1, 4, "nixl", kv_only=True), 4)
+    ext = run(1, 4, "nixl-ext", kv_only=True)
+    (r,) = ext.requests
+    assert ext.ok and r.rank_status == {n: "Success" for n in ranks(1, 4)}, ext.describe()
+    assert r.bytes_verified and r.mismatches == [] and r.thread_errors == [], ext.describe()
+
+
 @pytest.mark.timeout(RUN_BOUND_S)
 @pytest.mark.parametrize("p,d", S.F13_TOPOLOGIES, ids=[f"tp{p}-tp{d}" for p, d in S.F13_TOPOLOGIES])
 def test_stock_refuses_swa_state_across_tp_sizes(p, d):
     """Stock: every prefill rank fails the request with the refusal; decode is told (0.5.20+) or
-    waits out SGLang's waiting timeout; the SWA state pages keep their sentinel."""
+    waits out SGLang's waiting timeout; the SWA state pages keep their sentinel. (TP 1 -> 4 up to
+    0.5.16: the KV registration kills the bootstrap thread first, see below.)"""
     result = run(p, d, "nixl")
     (r,) = result.requests
+    if d > HEADS and not releases.features().stock_nixl_prep_serves_decode_replicas:
+        # 0.5.13-0.5.16: the decode replicates KV heads, and stock's prepared KV slice lists
+        # already kill prefill's bootstrap thread at registration (test_stock_kv_to_replicating_decode).
+        assert_bootstrap_thread_died(result, d)
+        return
     assert r.rank_status == {n: "Failed" for n in ranks(p, d)}, result.describe()
     assert r.prefill_failure_reason == per_rank([f"prefill{k}" for k in range(p)], REFUSAL), result.describe()
     decode_ranks = [f"decode{k}" for k in range(d)]

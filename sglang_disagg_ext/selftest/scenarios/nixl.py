@@ -257,13 +257,19 @@ F13_TOPOLOGIES = ((2, 1), (1, 2), (1, 4))
 
 def f13_scenarios() -> List[NixlScenario]:
     """F13 (0.5.13-0.5.21): the ``kv+swa`` rows of :func:`builtin_scenarios`, stock's classes under both
-    names but ``-ext``'s ``maybe_send_extra``. The -ext runs get the host-memory shim as stock's do
-    (``NixlSwaTpKVManager`` keeps stock's memory handling); stock raises per request there."""
-    return [
+    names but ``-ext``'s ``maybe_send_extra``, and up to 0.5.16 KV to a decode that replicates heads.
+    The -ext runs get the host-memory shim as stock's do (``NixlSwaTpKVManager`` keeps stock's memory
+    handling)."""
+    out = [
         NixlScenario(f"kv+swa tp{p}->tp{d} h2", lambda p=p, d=d: swa_tp_scenario(p, d), all_ok,
                      _stock_swa_across_tp, fix="F13", ext_shim=True)
         for p, d in F13_TOPOLOGIES
     ]
+    if not releases.features().stock_nixl_prep_serves_decode_replicas:
+        # 0.5.13-0.5.16: stock's prepared KV slice lists cannot serve a decode that replicates heads.
+        out.append(NixlScenario("kv tp1->tp4 h2 (decode replicas)", lambda: tp_scenario(1, 4, 2, chunks=1), all_ok,
+                                _always_fail, fix="F13", ext_shim=True))
+    return out
 
 
 def by_name(name: str) -> NixlScenario:
