@@ -93,9 +93,10 @@ from sglang_disagg_ext.core import mem_kind
 from sglang_disagg_ext.core.head_slice import (
     HeadLayout,
     HeadLayoutError,
-    build_head_slice_descriptors,
     head_bytes_from_item_len,
+    head_slice_rows,
     resolve_total_kv_heads,
+    transfer_requests,
 )
 from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.index_bounds import check_destination
@@ -707,37 +708,20 @@ class NixlExtKVManager(NixlKVManager):
             # A replica (another prefill rank sends these heads) or nothing to
             # send: decode still counts this rank's notification.
             return self.agent.send_notif(peer_name, notif.encode("ascii"))
-        page_size = self.kv_args.page_size
-        src_head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
-        if dst_item_len is None:
-            dst_item_len = src_head_bytes * page_size * layout.decode_heads_per_rank
-        head_bytes = head_bytes_from_item_len(dst_item_len, page_size, layout.decode_heads_per_rank)
-        if src_head_bytes != head_bytes:
-            raise HeadLayoutError(
-                f"one {what} head is {src_head_bytes} bytes per token on prefill but {head_bytes} on decode"
-            )
         src_k, src_v, dst_k, dst_v, n_layers = self.get_mha_kv_ptrs_with_pp(src_ptrs, dst_ptrs)
-        rows = build_head_slice_descriptors(
+        rows = head_slice_rows(
+            layout, head_slice, what,
             list(src_k[:n_layers]) + list(src_v[:n_layers]),
             list(dst_k[:n_layers]) + list(dst_v[:n_layers]),
-            src_pages,
-            dst_pages,
-            page_size=page_size,
-            src_item_len=src_item_len,
-            dst_item_len=dst_item_len,
-            head_slice=head_slice,
-            head_bytes=head_bytes,
+            src_pages, dst_pages,
+            page_size=self.kv_args.page_size, src_item_len=src_item_len, dst_item_len=dst_item_len,
         )
         src_kind = mem_kind.single_kind(src_ptrs, self._ext_local_kinds, f"prefill {what}")
         peer = self._ext_peer_kinds.get(peer_name, {})
         dst_kind = mem_kind.single_kind(dst_ptrs, peer, f"decode {what}") if peer else mem_kind.VRAM
-        n = rows.shape[0]
-        src_reqs = np.empty((n, 3), dtype=np.int64)
-        dst_reqs = np.empty((n, 3), dtype=np.int64)
-        src_reqs[:, 0], src_reqs[:, 1] = rows[:, 0], rows[:, 2]
-        dst_reqs[:, 0], dst_reqs[:, 1] = rows[:, 1], rows[:, 2]
-        src_reqs[:, 2] = mem_kind.device_id(src_kind, self.kv_args.gpu_id)
-        dst_reqs[:, 2] = mem_kind.device_id(dst_kind, dst_gpu_id)
+        src_reqs, dst_reqs = transfer_requests(
+            rows, mem_kind.device_id(src_kind, self.kv_args.gpu_id), mem_kind.device_id(dst_kind, dst_gpu_id)
+        )
         agent = self.agent._agent
         src_descs = agent.get_xfer_descs(src_reqs, src_kind)
         dst_descs = agent.get_xfer_descs(dst_reqs, dst_kind)

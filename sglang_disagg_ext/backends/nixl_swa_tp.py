@@ -51,13 +51,7 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, releases
 from sglang_disagg_ext.backends.shared import report_trim
-from sglang_disagg_ext.core.head_slice import (
-    HeadLayout,
-    HeadLayoutError,
-    build_head_slice_descriptors,
-    head_bytes_from_item_len,
-    resolve_total_kv_heads,
-)
+from sglang_disagg_ext.core.head_slice import HeadLayout, HeadLayoutError, head_slice_rows, resolve_total_kv_heads, transfer_requests
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
@@ -207,24 +201,12 @@ class NixlSwaTpKVManager(NixlKVManager):
                 f"nixl-ext: {what}: prefill registers {len(src_ptrs)} layer buffers, decode {len(dst_ptrs)}; "
                 "the layers cannot be paired"
             )
-        page_size = int(self.kv_args.page_size)
-        head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
-        if dst_item_len is None:
-            dst_item_len = head_bytes * page_size * layout.decode_heads_per_rank
-        dst_head_bytes = head_bytes_from_item_len(dst_item_len, page_size, layout.decode_heads_per_rank)
-        if dst_head_bytes != head_bytes:
-            raise HeadLayoutError(
-                f"nixl-ext: {what}: pages of {src_item_len} bytes hold {layout.prefill_heads_per_rank} heads per "
-                f"prefill rank ({head_bytes} bytes per head per token), pages of {dst_item_len} bytes "
-                f"{layout.decode_heads_per_rank} per decode rank ({dst_head_bytes})"
-            )
-        rows = build_head_slice_descriptors(
-            src_ptrs, dst_ptrs, src_pages, dst_pages, page_size=page_size, src_item_len=src_item_len,
-            dst_item_len=dst_item_len, head_slice=head_slice, head_bytes=head_bytes,
+        rows = head_slice_rows(
+            layout, head_slice, what, src_ptrs, dst_ptrs, src_pages, dst_pages,
+            page_size=int(self.kv_args.page_size), src_item_len=src_item_len, dst_item_len=dst_item_len,
         )
         # Stock's state and slice transfers describe both sides as "VRAM" on these releases.
-        src_reqs = np.column_stack([rows[:, 0], rows[:, 2], np.full(len(rows), self.kv_args.gpu_id, np.int64)])
-        dst_reqs = np.column_stack([rows[:, 1], rows[:, 2], np.full(len(rows), dst_gpu_id, np.int64)])
+        src_reqs, dst_reqs = transfer_requests(rows, self.kv_args.gpu_id, dst_gpu_id)
         src_descs = self.agent.get_xfer_descs(src_reqs, "VRAM")
         dst_descs = self.agent.get_xfer_descs(dst_reqs, "VRAM")
         handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name, notif.encode("ascii"))

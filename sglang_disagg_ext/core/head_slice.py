@@ -294,6 +294,47 @@ def build_head_slice_descriptors(
     return out.reshape(-1, 3)
 
 
+def head_slice_rows(
+    layout: "HeadLayout",
+    head_slice: HeadSlice,
+    what: str,
+    src_layer_ptrs: IntArrayLike,
+    dst_layer_ptrs: IntArrayLike,
+    src_page_indices: IntArrayLike,
+    dst_page_indices: IntArrayLike,
+    *,
+    page_size: int,
+    src_item_len: int,
+    dst_item_len: Optional[int],
+) -> np.ndarray:
+    """:func:`build_head_slice_descriptors` after deriving one head's bytes per token from each
+    side's page size in bytes and refusing a pair where they differ (``what`` names the pool in
+    the error). ``dst_item_len`` None: decode's page size is derived from the layout (a decode
+    that registered none)."""
+    src_head_bytes = head_bytes_from_item_len(src_item_len, page_size, layout.prefill_heads_per_rank)
+    if dst_item_len is None:
+        dst_item_len = src_head_bytes * page_size * layout.decode_heads_per_rank
+    head_bytes = head_bytes_from_item_len(dst_item_len, page_size, layout.decode_heads_per_rank)
+    if src_head_bytes != head_bytes:
+        raise HeadLayoutError(
+            f"one {what} head is {src_head_bytes} bytes per token on prefill but {head_bytes} on decode"
+        )
+    return build_head_slice_descriptors(
+        src_layer_ptrs, dst_layer_ptrs, src_page_indices, dst_page_indices, page_size=page_size,
+        src_item_len=src_item_len, dst_item_len=dst_item_len, head_slice=head_slice, head_bytes=head_bytes,
+    )
+
+
+def transfer_requests(rows: np.ndarray, src_device_id: int, dst_device_id: int):
+    """NIXL's (address, length, device id) request arrays of both sides for :func:`head_slice_rows`' rows."""
+    n = rows.shape[0]
+    src_reqs = np.empty((n, 3), dtype=np.int64)
+    dst_reqs = np.empty((n, 3), dtype=np.int64)
+    src_reqs[:, 0], src_reqs[:, 1], src_reqs[:, 2] = rows[:, 0], rows[:, 2], src_device_id
+    dst_reqs[:, 0], dst_reqs[:, 1], dst_reqs[:, 2] = rows[:, 1], rows[:, 2], dst_device_id
+    return src_reqs, dst_reqs
+
+
 # --- KV-completion notification sender ids (tags: core/nixl_notif.py) ----------
 
 # A sender id packs (pp_rank, engine_rank) into the one integer field stock

@@ -418,3 +418,33 @@ def test_keys_unique_per_prefill_rank_as_stock_decode_reads_them():
     assert len({_stock_0_5_12_sender(k) for k in keys}) == 32
     # The stock PP=1 bug: four TP ranks, one pp_rank, one key. Ours: four.
     assert len({with_sender_id("42_kv_0_1_0", 0, tp) for tp in range(4)}) == 4
+
+
+@pytest.mark.timeout(10)
+def test_head_slice_rows_by_hand():
+    """P=1 -> D=2, 2 KV heads, 2 tokens a page, 4 bytes a head: prefill pages are 16 bytes
+    (2 heads x 2 tokens x 4), decode pages 8. Decode rank 1 holds head 1: prefill page 3's
+    token t, head 1 (1000 + 3*16 + t*8 + 4) goes to decode page 1's token t (5000 + 8 + t*4)."""
+    from sglang_disagg_ext.core.head_slice import HeadLayout, head_slice_rows, transfer_requests
+
+    layout = HeadLayout(1, 2, 2)
+    rows = head_slice_rows(layout, layout.head_slice(0, 1), "KV", [1000], [5000], [3], [1],
+                           page_size=2, src_item_len=16, dst_item_len=8)
+    assert rows.tolist() == [[1052, 5008, 4], [1060, 5012, 4]]
+    # No decode page size registered: derived from the layout (1 head x 2 tokens x 4 bytes).
+    same = head_slice_rows(layout, layout.head_slice(0, 1), "KV", [1000], [5000], [3], [1],
+                           page_size=2, src_item_len=16, dst_item_len=None)
+    assert same.tolist() == rows.tolist()
+    src, dst = transfer_requests(rows, 7, 9)
+    assert src.tolist() == [[1052, 4, 7], [1060, 4, 7]] and dst.tolist() == [[5008, 4, 9], [5012, 4, 9]]
+
+
+@pytest.mark.timeout(10)
+def test_head_slice_rows_refuses_different_head_bytes():
+    """Decode pages of 12 bytes hold one 6-byte head per token; prefill's heads are 4 bytes."""
+    from sglang_disagg_ext.core.head_slice import HeadLayout, HeadLayoutError, head_slice_rows
+
+    layout = HeadLayout(1, 2, 2)
+    with pytest.raises(HeadLayoutError, match=r"one SWA state \(component 0\) head is 4 bytes per token on prefill but 6 on decode"):
+        head_slice_rows(layout, layout.head_slice(0, 0), "SWA state (component 0)", [1000], [5000], [3], [1],
+                        page_size=2, src_item_len=16, dst_item_len=12)

@@ -133,6 +133,22 @@ class ScenarioResult:
     def ok(self) -> bool:
         return not self.error and bool(self.requests) and all(r.ok for r in self.requests)
 
+    def first_room_failed_then_served(self, prefill_status: str, decode_reason: str, within_s: float) -> bool:
+        """Two requests: the first ended ``prefill_status`` on prefill and Failed on decode with exactly
+        ``decode_reason`` within ``within_s`` (told, not a timeout), nothing written outside its pages;
+        the second ok with every byte checked (the thread that met the fault served it); no thread died."""
+        if self.error or len(self.requests) != 2:
+            return False
+        bad, good = self.requests
+        return (
+            (bad.prefill_status, bad.decode_status) == (prefill_status, "Failed")
+            and bad.decode_failure_reason == decode_reason
+            and bad.decode_seconds is not None and bad.decode_seconds < within_s
+            and not any("must be untouched" in m for m in bad.mismatches)
+            and good.ok
+            and not any(r.thread_errors for r in self.requests)
+        )
+
     @property
     def setup_failed(self) -> bool:
         """The run ended before any request reached either side (engine start, pools ...)."""

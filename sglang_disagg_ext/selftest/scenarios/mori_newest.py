@@ -135,17 +135,7 @@ def status_worker_survived(result) -> bool:
     """-ext: room 1000 Success on prefill, Failed on decode with :data:`STATUS_FAULT_REASON` within
     :data:`FAILED_WITHIN_S`, nothing written outside its pages; room 1001 Success with every byte
     checked (the worker served after the fault); no thread died."""
-    if result.error or len(result.requests) != 2:
-        return False
-    bad, good = result.requests
-    return (
-        (bad.prefill_status, bad.decode_status) == ("Success", "Failed")
-        and bad.decode_failure_reason == STATUS_FAULT_REASON
-        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
-        and not any("must be untouched" in m for m in bad.mismatches)
-        and good.ok
-        and not any(r.thread_errors for r in result.requests)
-    )
+    return result.first_room_failed_then_served("Success", STATUS_FAULT_REASON, FAILED_WITHIN_S)
 
 
 def status_fault_stock_signature(result) -> bool:

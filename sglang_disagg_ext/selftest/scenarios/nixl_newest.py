@@ -224,37 +224,16 @@ def refused_ok(want: str):
 
 
 def listener_survived(result) -> bool:
-    """Passed: room 1000 Failed on decode with the listener-fault reason within
-    FAILED_WITHIN_S, nothing written outside its pages; room 1001 ok (byte-checked);
-    no thread died."""
-    if result.error or len(result.requests) != 2:
-        return False
-    bad, good = result.requests
-    return (
-        bad.decode_status == "Failed"
-        and bad.decode_failure_reason == LISTENER_FAULT_REASON
-        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
-        and not any("must be untouched" in m for m in bad.mismatches)
-        and good.ok
-        and not any(r.thread_errors for r in result.requests)
-    )
+    """Passed: room 1000 Success on prefill, Failed on decode with the listener-fault reason within
+    FAILED_WITHIN_S, nothing written outside its pages; room 1001 ok (byte-checked); no thread died."""
+    return result.first_room_failed_then_served("Success", LISTENER_FAULT_REASON, FAILED_WITHIN_S)
 
 
 def failed_room_listener_survived(result) -> bool:
     """Passed: room 1000 Failed on both sides, on decode with the listener-fault reason within
     FAILED_WITHIN_S (not SGLang's waiting timeout), nothing written outside its pages; room 1001
     ok (byte-checked); no thread died."""
-    if result.error or len(result.requests) != 2:
-        return False
-    bad, good = result.requests
-    return (
-        (bad.prefill_status, bad.decode_status) == ("Failed", "Failed")
-        and bad.decode_failure_reason == FAILED_ROOM_FAULT_REASON
-        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
-        and not any("must be untouched" in m for m in bad.mismatches)
-        and good.ok
-        and not any(r.thread_errors for r in result.requests)
-    )
+    return result.first_room_failed_then_served("Failed", FAILED_ROOM_FAULT_REASON, FAILED_WITHIN_S)
 
 
 def _all_ok(result) -> bool:
