@@ -293,3 +293,26 @@ def test_prefill_notes_bounds_and_names_bad_indices():
     mgr._ext_note_registration([b"GUARD", b"4242", b"x", b"y", b"decode-b"])
     mgr._ext_note_registration(REGISTRATION[:4] + [b"decode-c", b"m", b"sglang-disagg-ext:pool-bounds:v1:{bad"])
     assert set(mgr._ext_peer_bounds) == set()
+
+
+# Read by hand in each wheel's nixl/conn.py (F13). stock_nixl_prep_serves_decode_replicas: the
+# prepared head-slice lists count unique slices (dst_replication) from 0.5.17 (:842); 0.5.13-0.5.16
+# lay out one group per decode rank (0.5.16 :771-776); up to 0.5.12.x nothing is prepared.
+# stock_nixl_worker_tells_decode: transfer_worker calls conclude_failure from 0.5.20 (:1481).
+_NIXL_FACTS = {
+    **{r: (True, False) for r in ("0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1")},
+    **{r: (False, False) for r in ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16")},
+    **{r: (True, False) for r in ("0.5.17", "0.5.18", "0.5.19")},
+    **{r: (True, True) for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
+}
+
+
+@pytest.mark.timeout(20)
+def test_nixl_probes_match_the_wheel_read_by_hand():
+    from sglang_disagg_ext import releases
+
+    version = releases.installed_sglang_version()
+    if version not in _NIXL_FACTS:
+        pytest.skip(f"n/a: SGLang {version} was not read by hand")
+    f = releases.features()
+    assert (f.stock_nixl_prep_serves_decode_replicas, f.stock_nixl_worker_tells_decode) == _NIXL_FACTS[version]

@@ -1,7 +1,8 @@
-"""F4 and F11 rows of ``sglang-disagg-ext selftest --backend nixl``.
+"""F4, F11 and F13 rows of ``sglang-disagg-ext selftest --backend nixl``.
 
 Every built-in NIXL scenario of the release (``scenarios.nixl`` where F4 is
-live or patched; ``scenarios.nixl_newest`` where F11 is live) runs once with the stock
+live or patched; ``scenarios.nixl_newest`` where F11 is live; ``scenarios.nixl.f13_scenarios`` where
+F13 is) runs once with the stock
 ``nixl`` name and once with ``nixl-ext`` through the transfer harness: real
 NIXL over UCX on 127.0.0.1, CPU pools, one process per rank, decode checking
 every element of its heads and the sentinels around them. ``options`` moves
