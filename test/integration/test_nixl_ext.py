@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(
         not (releases.current_policy().is_live("F4") or "F4" in releases.current_policy().patched),
-        reason="F4's classes are not nixl-ext's here (F4 upstream: pass-through, or F11's class on 0.5.22/0.5.23)",
+        reason="F4's classes are not nixl-ext's here (F4 upstream: F13's class on 0.5.13-0.5.21, F11's on 0.5.22/0.5.23)",
     ),
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),
 ]

@@ -36,8 +36,8 @@ from sglang_disagg_ext import releases  # noqa: E402
 _POLICY = releases.current_policy()
 active_only = pytest.mark.skipif(
     not (_POLICY.is_live("F4") or "F4" in _POLICY.patched),
-    reason=f"n/a on SGLang {_POLICY.version}: F4's classes are not nixl-ext's there (pass-through, or "
-    "F11's class over stock on 0.5.22/0.5.23), so the plugin's notification parser is not in use",
+    reason=f"n/a on SGLang {_POLICY.version}: F4's classes are not nixl-ext's there (F13's class "
+    "over stock on 0.5.13-0.5.21, F11's on 0.5.22/0.5.23), so the plugin's notification parser is not in use",
 )
 
 
