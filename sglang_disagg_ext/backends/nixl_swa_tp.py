@@ -43,8 +43,9 @@ transfer worker then fails that room as it does for its own refusal.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
@@ -62,7 +63,10 @@ class NixlSwaTpKVManager(NixlKVManager):
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler thread
-        at startup; nothing here is read before stock's constructor returns."""
+        at startup. Stock's constructor starts prefill's bootstrap thread, which may call
+        ``_init_hetero_tp_prep_handle``: the layout cache exists before ``super().__init__``."""
+        # decode TP size -> HeadLayout: built once per decode size, not per chunk on the transfer path.
+        self._f13_layouts: Dict[int, HeadLayout] = {}
         super().__init__(*args, **kwargs)
         activation_log.announce(type(self).__name__)
 
@@ -165,13 +169,29 @@ class NixlSwaTpKVManager(NixlKVManager):
         decode holds distinct heads (its TP size at most the model's KV heads)."""
         if releases.features().stock_nixl_prep_serves_decode_replicas:
             return True
-        return int(decode_kv_args.decode_tp_size) <= self._f13_total_kv_heads()
+        return int(decode_kv_args.decode_tp_size) <= self._f13_total_kv_heads
 
+    @functools.cached_property
     def _f13_total_kv_heads(self) -> int:
+        """The model's KV heads (``kv_args`` is fixed once the manager is built)."""
         return resolve_total_kv_heads(
             getattr(self.kv_args, "total_kv_head_num", None), getattr(self.kv_args, "kv_head_num", 0) or 0,
             int(self.attn_tp_size),
         )
+
+    def _f13_layout(self, what: str, decode_tp_size: int) -> HeadLayout:
+        layout = self._f13_layouts.get(decode_tp_size)
+        if layout is None:
+            prefill_tp, heads = int(self.attn_tp_size), self._f13_total_kv_heads
+            try:
+                layout = HeadLayout(prefill_tp, decode_tp_size, heads)
+            except HeadLayoutError as exc:
+                raise HeadLayoutError(
+                    f"nixl-ext: {what}: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
+                    f"{decode_tp_size}: {exc}"
+                ) from None
+            self._f13_layouts[decode_tp_size] = layout
+        return layout
 
     # -- posting one head slice ---------------------------------------------------------------------
     def _f13_post_head_slice(self, peer_name: str, what: str, src_ptrs: List[int], dst_ptrs: List[int], src_item_len: int,
@@ -183,16 +203,12 @@ class NixlSwaTpKVManager(NixlKVManager):
         Returns the posted handle, or None after sending ``notif`` alone where this rank
         holds a replica of the decode rank's heads or has no pages (another prefill rank
         sends them; decode still counts one notification per prefill rank)."""
-        prefill_tp = int(self.attn_tp_size)
-        heads = self._f13_total_kv_heads()
+        layout = self._f13_layout(what, decode_tp_size)
         try:
-            layout = HeadLayout(prefill_tp, decode_tp_size, heads)
-            head_slice = layout.head_slice(self.kv_args.engine_rank % prefill_tp, decode_tp_rank % decode_tp_size)
+            head_slice = layout.head_slice(self.kv_args.engine_rank % layout.prefill_tp_size,
+                                           decode_tp_rank % decode_tp_size)
         except HeadLayoutError as exc:
-            raise HeadLayoutError(
-                f"nixl-ext: {what}: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
-                f"{decode_tp_size}: {exc}"
-            ) from None
+            raise HeadLayoutError(f"nixl-ext: {what}: {exc}") from None
         if not head_slice.is_sender or not len(src_pages):
             self.agent.send_notif(peer_name, notif.encode("ascii"))
             return None

@@ -114,16 +114,10 @@ def mooncake_scenarios(policy) -> List:
 
 
 def prefill_fault_hooks() -> Optional[str]:
-    """Path of the test-only prefill fault hooks (F8 rows), or None outside a source checkout.
+    """Path of the test-only fault hooks (``harness.run.fault_hooks_path``), or None outside a source checkout."""
+    from sglang_disagg_ext.selftest.harness.run import fault_hooks_path
 
-    They make one SGLang method raise in the prefill worker; nothing a
-    well-formed request does makes stock raise there, so the rows need them,
-    and they are not in the wheel (``test/support/``).
-    """
-    from sglang_disagg_ext.selftest.harness.run import _repo_root
-
-    path = os.path.join(_repo_root(), "test", "support", "prefill_faults.py")
-    return path if os.path.isfile(path) else None
+    return fault_hooks_path()
 
 
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,

@@ -245,6 +245,17 @@ def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(sglang_disagg_ext.__file__)))
 
 
+def fault_hooks_path() -> Optional[str]:
+    """Path of the test-only manager fault hooks (``test/support/prefill_faults.py``: F8, F11 and
+    MoRI status-worker rows), or None outside a source checkout.
+
+    They make one SGLang method raise in a worker; nothing a well-formed request does makes stock
+    raise there, so the rows need them, and they are not in the wheel.
+    """
+    path = os.path.join(_repo_root(), "test", "support", "prefill_faults.py")
+    return path if os.path.isfile(path) else None
+
+
 def child_env(
     scn: Scenario, extra: Optional[Dict[str, str]] = None, options: Optional[TransferOptions] = None
 ) -> Dict[str, str]:

@@ -123,8 +123,10 @@ def status_fault() -> Scenario:
 def status_fault_env() -> Dict[str, str]:
     """The stand-in, metadata rows through the engine (the status-worker fault, not F12's race,
     is what this scenario is about), and the decode hook."""
-    path = os.path.join(mori_rows._repo_root(), "test", "support", "prefill_faults.py")
-    if not os.path.isfile(path):
+    from sglang_disagg_ext.selftest.harness.run import fault_hooks_path
+
+    path = fault_hooks_path()
+    if path is None:
         raise RuntimeError("the fault hooks live in a source checkout (test/support/prefill_faults.py); none here")
     out = mori_rows.standin_env(aux_rdma=True)
     out["SGLANG_HARNESS_DECODE_MANAGER_HOOK"] = f"{path}:{STATUS_FAULT_HOOK}"
