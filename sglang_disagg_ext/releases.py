@@ -11,29 +11,29 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     uncov.  flat
-0.5.11           up    live  n/a   live  live  live    live  live  uncov.  uncov.  n/a     uncov.  flat
-0.5.12(.post1)   up    up    live  live  live  live    live  live  uncov.  uncov.  n/a     uncov.  per-component
-0.5.13 …         up    up    up    up    up    live    live  live  uncov.  live    n/a     uncov.  per-component
+0.5.10.post1     live  live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
+0.5.11           up    live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
+0.5.12(.post1)   up    up    live  live  live  live    live  live  live    uncov.  n/a     uncov.  per-component
+0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     uncov.  per-component
   0.5.19 [1]
-0.5.20, 0.5.21   up    up    up    up    up    live    live  live  uncov.  live    n/a     live    per-component
-0.5.22           up    up    up    up    up    live    live  live  uncov.  live    live    live    per-component
+0.5.20, 0.5.21   up    up    up    up    up    live    live  live  live    live    n/a     live    per-component
+0.5.22           up    up    up    up    up    live    live  live  live    live    live    live    per-component
 0.5.23           up    up    up    up    up    live    live  live  live    live    live    live    per-component
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 
 [1] each published release: 0.5.13, 0.5.13.post1, 0.5.14, 0.5.15, 0.5.15.post1,
 0.5.16, 0.5.17, 0.5.18, 0.5.19. Every release 0.5.13-0.5.22 is
-active with F6/F7/F8/F10 live because a differential run on that release's wheel proved
+active with F6/F7/F8/F9/F10 live because a differential run on that release's wheel proved
 them (stock fails with the bug's signature, ``-ext`` passes):
 ``scripts/release_sweep.sh``, recorded in ``docs/release-sweep.md``. A release of
 that range without its own row (a later ``.postN``) passes through.
 
 "uncov." (``FixStatus.UNCOVERED``): the bug is live in that release's wheel, but
 this plugin version has no adapter proven against its code, so ``-ext`` passes
-through there (F6 on 0.5.10.post1-0.5.22: the registration is built inside the
-receiver and, up to 0.5.20, prefill's bootstrap loop reads its socket directly,
-so ``-ext`` adds and reads the pool-sizes frame through the receiver and the
-socket, see ``backends/mooncake_peers``). F6-F8 facts per release (every wheel 0.5.10.post1-0.5.23 read):
+through there. (F6 and F9 on 0.5.10.post1-0.5.22 are live, not uncovered: the
+registration is built inside the receiver and, up to 0.5.20, prefill's bootstrap
+loop reads its socket directly, so ``-ext`` adds and reads the pool-sizes frame
+through the receiver and the socket, see ``backends/mooncake_peers``.) F6-F9 facts per release (every wheel 0.5.10.post1-0.5.23 read):
 F6 one failed KV send blacklists the decode session (0.5.10.post1
 mooncake/conn.py:1270-1271 ... 0.5.23 :2742-2745), no release checks destination
 indices against decode's pools, and no registration message carries them; F7
@@ -42,9 +42,16 @@ indices against decode's pools, and no registration message carries them; F7
 F8 ``transfer_worker`` re-raises (0.5.10.post1 :1339-1343 ... 0.5.23 :2878) and
 the bootstrap/decode loops have no handler; F9 metadata buffers are paired by
 position whatever their counts (0.5.22 mooncake/conn.py:1755; 0.5.23 only logs
-the mismatch, common/conn.py:617-634); F10 decode holds a request whose metadata
+the mismatch, common/conn.py:617-634), and every release addresses decode's rows
+with prefill's row sizes (``send_aux``), so rows of another size (the hidden-state
+buffer where one engine runs speculative decoding: sized by the draft model there,
+16 elements without it, e.g. 0.5.13 managers/scheduler.py:1057-1068 and
+:1110-1123, where decode sizes it for EAGLE only and prefill for EAGLE or
+STANDALONE) land misplaced with Success; F10 decode holds a request whose metadata
 row never shows its room forever (0.5.12 decode.py:1412-1415, 0.5.23
-utils.py:245-260). F9 needs 0.5.23's registration hooks; F10 before 0.5.13 runs
+utils.py:245-260). F9's verdict is reached in 0.5.23's ``check_peer_aux_buffer_count``
+and, before it, where F6's pool-sizes frame is read (the same registration
+message, on the bootstrap thread); F10 before 0.5.13 runs
 after the TP all-reduce (a per-rank deadline would desynchronise the ranks); from
 0.5.13 the gate is ``utils._apply_metadata_gate`` (0.5.13 utils.py:78), replaced by
 the plugin as on 0.5.23.
@@ -275,22 +282,22 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _X, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
 }
 
@@ -298,7 +305,9 @@ _ACTIVE_RELEASES = {
 # scripts/release_sweep.sh (docs/release-sweep.md), F6 too (its second sweep, with
 # test_mooncake_isolation.py), F10 too (the gate, utils._apply_metadata_gate, read in every
 # wheel: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244; test_metadata_gate.py in the sweep);
-# F9 uncovered there (no registration check to hook before 0.5.23). F12 on 0.5.20/0.5.21:
+# F9 live there (send_aux pairs by position with prefill's row sizes in every wheel, 0.5.13
+# mooncake/conn.py send_aux, 0.5.22 :1755-1759; proven by test_mooncake_registration.py's row-size
+# case in the sweep; the count cases need the checksum buffer of 0.5.21+ to be built). F12 on 0.5.20/0.5.21:
 # 0.5.22's MoRI metadata path (rows and status on two sockets), proven by
 # test_mori_newest.py on both wheels; before 0.5.20 uncovered (see the module docstring). The rest
 # (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
@@ -532,6 +541,17 @@ class SGLangFeatures:
         return "= self.maybe_send_extra(" in inspect.getsource(stock_callable(MooncakeKVManager, "transfer_worker"))
 
     @functools.cached_property
+    def mooncake_aux_count_check(self) -> bool:
+        """Whether prefill checks a decode's metadata buffer count at registration
+        (``check_peer_aux_buffer_count``, 0.5.23 common/conn.py:617-634, called by
+        ``_publish_peer_registration``; it only logs a difference). Up to 0.5.22 no
+        release compares anything there, and ``send_aux`` indexes prefill's row
+        sizes with decode's buffer list (0.5.22 mooncake/conn.py:1755-1759)."""
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        return hasattr(MooncakeKVManager, "check_peer_aux_buffer_count")
+
+    @functools.cached_property
     def mooncake_registration_hooks(self) -> bool:
         """Whether Mooncake's decode registration and prefill's receive loop have manager
         hooks (``build_receiver_registration_message``, common/conn.py:636, sent by
@@ -625,6 +645,14 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.utils import MetadataBuffers
 
         return "max_sampling_mask_tokens" in init_parameters(MetadataBuffers)
+
+    @functools.cached_property
+    def metadata_buffers_kv_checksum(self) -> bool:
+        """Whether ``MetadataBuffers(...)`` takes ``kv_checksum_enabled`` (0.5.21+: one more
+        metadata buffer, the last, what ``--disaggregation-enable-kv-checksum`` gives)."""
+        from sglang.srt.disaggregation.utils import MetadataBuffers
+
+        return "kv_checksum_enabled" in init_parameters(MetadataBuffers)
 
     @functools.cached_property
     def decode_status_handler(self) -> bool:

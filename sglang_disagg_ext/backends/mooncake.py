@@ -306,8 +306,8 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     if cls is None:
         return {}
     classes = {"MooncakeKVManager": cls}
-    # F6 before 0.5.23: the receiver builds decode's registration itself, so the
+    # F6/F9 before 0.5.23: the receiver builds decode's registration itself, so the
     # pool-sizes frame is added there (mooncake_peers).
-    if policy.is_live("F6") and not releases.features().mooncake_registration_hooks:
+    if (policy.is_live("F6") or policy.is_live("F9")) and not releases.features().mooncake_registration_hooks:
         classes["MooncakeKVReceiver"] = MooncakeExtKVReceiver
     return classes

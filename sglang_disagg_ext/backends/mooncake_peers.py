@@ -129,7 +129,10 @@ class PeerPoolsMixin:
         the bootstrap thread, which would end it.
         """
         recv = super()._make_worker_recv(*args, **kwargs)
-        if self.disaggregation_mode.name != "PREFILL":
+        # 0.5.21-0.5.22 build this receive function over ``server_socket`` too,
+        # which :meth:`start_prefill_thread` wrapped: it notes each registration
+        # once there, so noting it here as well would note it twice.
+        if self.disaggregation_mode.name != "PREFILL" or not releases.features().mooncake_registration_hooks:
             return recv
 
         def recv_noting_bounds():

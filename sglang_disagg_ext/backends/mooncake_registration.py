@@ -25,8 +25,19 @@ Here, on prefill:
 * a stock decode (no row sizes published) is checked on the count only; where
   the counts match it gets stock behaviour and one INFO line saying so.
 
-Needs 0.5.23's hooks (``check_peer_aux_buffer_count``, ``conclude_failure``, and
-those of :mod:`.mooncake_peers`); on a release without them the mixin changes nothing.
+Where the verdict is reached, by release
+(``releases.features().mooncake_aux_count_check``):
+
+* 0.5.23: in stock's ``check_peer_aux_buffer_count`` (above);
+* 0.5.10.post1-0.5.22, which have no such check and pair the buffers by
+  position whatever their counts and sizes (``send_aux``: decode's list
+  indexes prefill's row sizes, 0.5.22 mooncake/conn.py:1755-1759): as the
+  registration arrives on the bootstrap thread, where :mod:`.mooncake_peers`
+  notes the pool-sizes frame, before stock parses the message; decode's count
+  is stock frame 5 (packed 8-byte pointers, ``KVArgsRegisterInfo.from_zmq``
+  in every release). The refusal is concluded by hand there
+  (``mooncake_peers.conclude_room_failed``: reason, status, every decode rank
+  told; an ``-ext`` decode gets the reason frame).
 """
 
 from __future__ import annotations
@@ -35,8 +46,8 @@ import logging
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from sglang_disagg_ext import metrics
-from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin
+from sglang_disagg_ext import metrics, releases
+from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin, conclude_room_failed
 from sglang_disagg_ext.core.registration_check import aux_pairing_problem
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.registration")
@@ -71,6 +82,33 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         says the leading buffers are sent, which a refused session never
         gets). Must not raise: the bootstrap thread would end.
         """
+        if self._f9_verdict(peer, num_remote) == "unchecked":
+            return super().check_peer_aux_buffer_count(peer, num_remote)
+        return None
+
+    def _note_registration(self, msg) -> None:
+        """:class:`PeerPoolsMixin`'s note of the pool-sizes frame, then (releases without
+        stock's count check, up to 0.5.22) the verdict on the same message.
+
+        Runs on prefill's bootstrap thread for each decode registration, before stock
+        parses it; it must never raise into that thread (the socket wrapper also
+        guards it). Decode's buffer count is stock frame 5: its packed 8-byte
+        metadata buffer pointers.
+        """
+        super()._note_registration(msg)
+        if releases.features().mooncake_aux_count_check:
+            return  # 0.5.23: check_peer_aux_buffer_count gets it from stock
+        try:
+            peer = bytes(msg[3]).decode("ascii")
+            num_remote = len(bytes(msg[5])) // 8
+        except (UnicodeDecodeError, IndexError):
+            return  # stock's own parse of this message reports it
+        self._f9_verdict(peer, num_remote)
+
+    def _f9_verdict(self, peer: str, num_remote: int) -> str:
+        """Record whether decode session ``peer`` can be served: "served", "refused"
+        (its ONE error line logged) or "unchecked" (the check itself failed: stock
+        behaviour). Never raises."""
         # Noted from the registration frame before stock parsed it (PeerPoolsMixin).
         bounds = self._peer_bounds.get(peer)
         rows = None if bounds is None else bounds.aux_item_lens
@@ -79,7 +117,7 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         except Exception:  # noqa: BLE001 - a check that cannot run leaves stock behaviour
             logger.exception("decode session %s: metadata buffer check failed; stock behaviour", peer)
             self._f9_refused.pop(peer, None)
-            return super().check_peer_aux_buffer_count(peer, num_remote)
+            return "unchecked"
         if reason is None:
             self._f9_refused.pop(peer, None)
             if rows is None and peer not in self._f9_count_only:
@@ -90,10 +128,10 @@ class RegistrationCheckMixin(PeerPoolsMixin):
                     peer,
                     num_remote,
                 )
-            return None
+            return "served"
         self._f9_refused[peer] = reason
         logger.error("decode session %s %s; every request to it ends Failed: %s", peer, REFUSED_LINE, reason)
-        return None
+        return "refused"
 
     def add_transfer_request(self, bootstrap_room, *args, **kwargs):
         """Stock ``add_transfer_request``, unless a decode session of the room was refused.
@@ -115,7 +153,7 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         # scheduler reports each failed request itself.
         logger.debug("room %s refused: %s", bootstrap_room, reason)
         metrics.count("requests_refused_total", fix="F9", reason="metadata buffers cannot be paired")
-        self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=reason)
+        conclude_room_failed(self, bootstrap_room, reason)
         return None
 
     def _f9_refusal(self, room):

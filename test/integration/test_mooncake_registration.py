@@ -7,10 +7,13 @@ TransferEngine; decode checks every destination page and row byte for byte
 and that every other one still holds its sentinel.
 
 Injection: the harness builds SGLang's own ``MetadataBuffers`` on one side
-with ``kv_checksum_enabled=True`` (``Scenario.kv_checksum_on``), exactly the
-argument the scheduler passes for ``--disaggregation-enable-kv-checksum``:
-that side registers one more metadata buffer. Nothing in SGLang or the
-plugin is replaced.
+with ``kv_checksum_enabled=True`` (``Scenario.kv_checksum_on``, 0.5.21+),
+exactly the argument the scheduler passes for
+``--disaggregation-enable-kv-checksum``: that side registers one more metadata
+buffer; or (every release) decode's with a larger hidden size
+(``Scenario.decode_hidden_size``), as the scheduler sizes them on an engine
+that runs speculative decoding: same count, larger hidden-state rows. Nothing
+in SGLang or the plugin is replaced.
 """
 
 import pytest
@@ -19,8 +22,11 @@ from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
 from sglang_disagg_ext.selftest.scenarios.registration import (
+    CHECKSUM_SCENARIOS,
     HINT,
     REFUSALS,
+    ROW_SIZE,
+    ROW_SIZE_REFUSAL,
     SCENARIOS,
     STOCK_DECODE_REFUSAL,
     checksum_on,
@@ -47,24 +53,42 @@ REFUSED_LINE = "refused at registration; every request to it ends Failed"
 COUNT_ONLY_LINE = (
     "published no metadata row sizes (a stock decode): only its buffer count (10, as prefill's) was checked"
 )
+# -ext's reason per scenario (registration.py's module docstring derives them).
+EXT_REFUSALS = {
+    CHECKSUM_SCENARIOS[0].name: REFUSALS["decode"],
+    CHECKSUM_SCENARIOS[1].name: REFUSALS["prefill"],
+    ROW_SIZE.name: ROW_SIZE_REFUSAL,
+}
+needs_checksum_buffer = pytest.mark.skipif(
+    not releases.features().metadata_buffers_kv_checksum,
+    reason=f"n/a: SGLang {POLICY.version}'s MetadataBuffers has no KV-checksum buffer (0.5.21+)",
+)
+
+
+def _buildable(builtin):
+    if builtin.buildable is None or builtin.buildable():
+        return builtin
+    return pytest.param(builtin, marks=pytest.mark.skip(
+        reason=f"n/a: SGLang {POLICY.version} cannot build {builtin.name!r} (no KV-checksum buffer before 0.5.21)"))
 
 
 @live_only
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("builtin", SCENARIOS, ids=["decode+1", "decode-1"])
+@pytest.mark.parametrize("builtin", [_buildable(b) for b in SCENARIOS], ids=["decode+1", "decode-1", "rows"])
 def test_stock_serves_mismatched_metadata_ext_refuses_at_registration(builtin):
-    """Stock: one ERROR at registration, then both requests Success with the metadata paired
-    by position (decode's checksum row, when decode has one, never written). Ext: one ERROR at
-    registration naming both counts and the row sizes; each request Failed on both sides
-    within the bound with that reason; no KV page and no metadata row of decode written."""
+    """Stock: both requests Success with the metadata paired by position (0.5.23 logs one ERROR
+    at registration for a count difference; decode's checksum row, when decode has one, never
+    written; decode's larger hidden-state row never written, prefill's landing elsewhere in that
+    buffer). Ext: one ERROR at registration naming both counts and the row sizes; each request
+    Failed on both sides within the bound with that reason; no KV page and no metadata row of
+    decode written."""
     stock = run_scenario(builtin.scenario_for(POLICY, "mooncake"), "mooncake")
     why = builtin.stock_signature(stock, POLICY)
     assert why is None, f"stock did not show the live bug's shape: {why}\n{stock.describe()}"
     assert not builtin.evaluate(stock)
 
     ext = run_scenario(builtin.scenario_for(POLICY, "mooncake-ext"), "mooncake-ext")
-    side = builtin.build(POLICY).kv_checksum_on
-    problem = refusal_problem(ext, REFUSALS[side])
+    problem = refusal_problem(ext, EXT_REFUSALS[builtin.name])
     assert problem is None, f"{problem}\n{ext.describe()}"
     assert builtin.evaluate(ext)
     # One error for the session, at registration; stock's "only the first 10
@@ -74,6 +98,7 @@ def test_stock_serves_mismatched_metadata_ext_refuses_at_registration(builtin):
 
 
 @live_only
+@needs_checksum_buffer
 @pytest.mark.timeout(300)
 def test_stock_decode_with_one_more_buffer_is_refused_on_the_count():
     """Ext prefill, stock decode with the checksum buffer: the count (stock frame 5) is enough
@@ -102,7 +127,7 @@ def test_matching_stock_decode_is_served_with_one_line():
 
 @pytest.mark.skipif(not PATCHED, reason="n/a: these SGLang sources do not carry patches/'s F9 diff")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("builtin", SCENARIOS, ids=["decode+1", "decode-1"])
+@pytest.mark.parametrize("builtin", CHECKSUM_SCENARIOS, ids=["decode+1", "decode-1"])
 def test_patched_sglang_refuses_at_registration(builtin):
     """patches/<release>/'s F9 diff in SGLang's own registration (`make test-patched`): stock
     refuses the decode as -ext does on the unpatched wheel (one ERROR at registration naming both

@@ -158,7 +158,8 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
     for kind in (utils.KVClassType.SENDER, utils.KVClassType.BOOTSTRAP_SERVER):
         assert utils.get_kv_class(backend, kind).__module__ == "sglang.srt.disaggregation.mooncake.conn"
     receiver = utils.get_kv_class(backend, utils.KVClassType.RECEIVER)
-    own_receiver = policy.routes("mooncake") and policy.is_live("F6") and not releases.features().mooncake_registration_hooks
+    own_receiver = (policy.routes("mooncake") and (policy.is_live("F6") or policy.is_live("F9"))
+                    and not releases.features().mooncake_registration_hooks)
     assert receiver.__module__ == (
         "sglang_disagg_ext.backends.mooncake_peers" if own_receiver else "sglang.srt.disaggregation.mooncake.conn"
     )

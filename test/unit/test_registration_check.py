@@ -137,7 +137,21 @@ def _refused(mismatch="kv buffer 0 page 3: expected prefill page 1's bytes, foun
     return ScenarioResult("kv checksum on decode only", "mooncake-ext", requests=reqs)
 
 
-def test_stock_signature_is_served_with_one_registration_line():
+@pytest.fixture
+def installed_023(monkeypatch):
+    """The signatures read the installed SGLang's shape (a run is always on it): pose as 0.5.23's."""
+    monkeypatch.setattr(releases.features(), "mooncake_aux_count_check", True)
+    monkeypatch.setattr(releases.features(), "metadata_buffers_kv_checksum", True)
+
+
+@pytest.fixture
+def installed_022(monkeypatch):
+    """As 0.5.21-0.5.22: the checksum buffer exists, no count check at registration."""
+    monkeypatch.setattr(releases.features(), "mooncake_aux_count_check", False)
+    monkeypatch.setattr(releases.features(), "metadata_buffers_kv_checksum", True)
+
+
+def test_stock_signature_is_served_with_one_registration_line(installed_023):
     builtin = registration.SCENARIOS[0]  # checksum on decode
     assert builtin.stock_signature(_served(), P0523) is None
     assert "found 0" in builtin.stock_signature(_served(tail="nothing logged"), P0523)
@@ -145,11 +159,68 @@ def test_stock_signature_is_served_with_one_registration_line():
     bad = _served()
     bad.requests[1].bytes_verified = False
     assert "request 1: stock serves the pair" in builtin.stock_signature(bad, P0523)
-    # Not live there (uncovered): no stock expectation to match.
-    assert "not expected to fail" in builtin.stock_signature(_served(), releases.policy_for("0.5.11"))
+    # Patched sources carry the fix (upstream): no stock expectation to match.
+    patched = releases.with_patched_fixes(P0523, ("F9",))
+    assert "not expected to fail" in builtin.stock_signature(_served(), patched)
 
 
-def test_refusal_check():
+def _thread_died(thread_error="prefill Thread-5 (transfer_worker): RuntimeError: Transfer thread failed because of "
+                              "list index out of range. Prefill instance with bootstrap_port=28889 is dead."):
+    reqs = [
+        RequestResult(i, 1000 + i, "Failed", "Failed", 4.0, 4.0, False,
+                      ["aux buffer 0 page 2: expected prefill page 1's bytes, found the sentinel (never written)"],
+                      thread_errors=[thread_error] if i == 0 else [])
+        for i in range(2)
+    ]
+    return ScenarioResult("kv checksum on decode only", "mooncake", requests=reqs, prefill_log_tail="")
+
+
+def test_stock_signature_before_the_count_check(installed_022):
+    """0.5.22: checksum on decode kills prefill's transfer thread (send_aux indexes prefill's row
+    sizes with decode's list); on prefill, served without a word."""
+    p0522 = releases.policy_for("0.5.22")
+    on_decode, on_prefill = registration.SCENARIOS[0], registration.SCENARIOS[1]
+    assert on_decode.stock_signature(_thread_died(), p0522) is None
+    assert "list index out of range" in on_decode.stock_signature(_thread_died("prefill: other"), p0522)
+    assert "found 1" in on_decode.stock_signature(_served(), p0522)  # 0.5.23's line cannot appear there
+    served = _served(tail="")
+    assert on_prefill.stock_signature(served, p0522) is None
+    assert "both sides Failed" in on_decode.stock_signature(served, p0522)
+
+
+def test_row_size_signature_and_refusal(installed_022):
+    """Row sizes (every release): stock Success with mismatches in the hidden-state buffer only."""
+    p0511 = releases.policy_for("0.5.11")
+    rows = registration.ROW_SIZE
+    reqs = [RequestResult(i, 1000 + i, "Success", "Success", 0.01, 0.02, False,
+                          ["aux buffer 8 page 2: expected prefill page 1's bytes, found the sentinel (never written)",
+                           "aux buffer 8 page 1: must be untouched, found prefill page 1's bytes"]) for i in range(2)]
+    stock = ScenarioResult(rows.name, "mooncake", requests=reqs)
+    assert rows.stock_signature(stock, p0511) is None
+    stock.requests[1].mismatches.append("aux buffer 9 page 4: expected prefill page 3's bytes, found the sentinel")
+    assert "outside the hidden-state buffer" in rows.stock_signature(stock, p0511)
+    right = ScenarioResult(rows.name, "mooncake", requests=[
+        RequestResult(i, 1000 + i, "Success", "Success", 0.01, 0.02, True) for i in range(2)])
+    assert "every byte is right" in rows.stock_signature(right, p0511)
+    why = "decode session 127.0.0.1:15162: " + registration.ROW_SIZE_REFUSAL
+    refused = ScenarioResult(rows.name, "mooncake-ext", requests=[
+        RequestResult(i, 1000 + i, "Failed", "Failed", 0.001, 0.02, False,
+                      ["aux buffer 8 page 2: expected prefill page 1's bytes, found the sentinel (never written)"],
+                      prefill_failure_reason=why, decode_failure_reason=why) for i in range(2)])
+    assert rows.evaluate(refused) and not rows.evaluate(stock)
+    # The expected reason, derived by hand in registration.py, is what the pure check says.
+    prefill = [64, 64, 64, 64, 512, 512, 64, 128, 128, 64]
+    decode = prefill[:8] + [256, 64]
+    assert aux_pairing_problem(prefill, 10, decode) == registration.ROW_SIZE_REFUSAL
+
+
+def test_checksum_rows_need_the_checksum_buffer(monkeypatch):
+    monkeypatch.setattr(releases.features(), "metadata_buffers_kv_checksum", False)
+    assert not registration.SCENARIOS[0].applies(P0523)
+    assert registration.ROW_SIZE.applies(releases.policy_for("0.5.11"))
+
+
+def test_refusal_check(installed_023):
     assert registration.refusal_problem(_refused(), registration.REFUSALS["decode"]) is None
     stray = _refused("aux buffer 3 page 2: expected prefill page 1's bytes, found prefill page 1's bytes")
     assert "decode written by a refused request" in registration.refusal_problem(stray, registration.REFUSALS["decode"])

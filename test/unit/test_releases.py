@@ -19,7 +19,9 @@ X = FixStatus.UNCOVERED
 # live on every release: test_mooncake_isolation.py in CI (0.5.10.post1-0.5.12.post1, 0.5.23) and in the
 # release sweep (0.5.13-0.5.22). F9/F10
 # (metadata buffers paired by position; decode's metadata gate without a deadline) read in
-# every wheel: live; F9 covered on 0.5.23 only, F10 on 0.5.13-0.5.23 (the gate function
+# every wheel: live; F9 covered on every release (0.5.23 through check_peer_aux_buffer_count, before
+# it where F6's pool-sizes frame is read: test_mooncake_registration.py's row-size case on every
+# release, the count cases from 0.5.21), F10 on 0.5.13-0.5.23 (the gate function
 # utils._apply_metadata_gate exists from 0.5.13: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244;
 # before 0.5.13 the gate runs after the TP all-reduce, so a per-rank deadline would
 # desynchronise ranks). F11 (NIXL's head-sliced SWA
@@ -32,22 +34,22 @@ X = FixStatus.UNCOVERED
 # :2674-2676); n/a up to 0.5.12.x (F4's classes slice it), live 0.5.13-0.5.21, upstream from 0.5.22
 # (_send_swa_state_slice, nixl/conn.py:2969 in 0.5.23).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, X, X, N, X, N)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, X, X, N, X, N)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X, N)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, X, X, N, X, N)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, X, L)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, L, L)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, N, L, L)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, X, L, L, L, U)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, X, N, X, N)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, X, N, X, N)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, X, N, X, N)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, X, N, X, N)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, X, L)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U)),
 ]
 

@@ -185,6 +185,12 @@ class Scenario:
     # KV_CHECKSUM_SIDES. On one side only, that side has one more aux buffer
     # (the last), which the other side's pools have no counterpart for.
     kv_checksum_on: str = "none"
+    # Decode's ``MetadataBuffers`` hidden size when it differs from ``hidden_size``
+    # (0: the same). SGLang sizes the hidden-state metadata buffer by the draft
+    # model where an engine runs speculative decoding and at 16 elements where it
+    # does not, so an engine pair configured differently registers buffers of the
+    # same count with different row sizes.
+    decode_hidden_size: int = 0
     # Requests run ``wave`` at a time on each side (all senders / receivers of a
     # wave made, then sent, then polled together; decode checks the wave's bytes
     # and resets its pools after it). 1: one after another. Multi-rank: each side's
@@ -251,6 +257,9 @@ class Scenario:
             raise ScenarioError(
                 f"{self.name}: kv_checksum_on {self.kv_checksum_on!r} not one of {', '.join(KV_CHECKSUM_SIDES)}"
             )
+        h = self.decode_hidden_size
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ScenarioError(f"{self.name}: decode_hidden_size must be 0 (as prefill) or an int >= 1, got {h!r}")
         _check_ranks(self)
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")

@@ -422,7 +422,7 @@ def mha_pool_tensors(pool) -> list:
 
 
 def make_metadata_buffers(rows: int, hidden_size: int, dtype, kv_checksum: bool = False):
-    """``kv_checksum``: build them as ``--disaggregation-enable-kv-checksum`` does (0.5.23+:
+    """``kv_checksum``: build them as ``--disaggregation-enable-kv-checksum`` does (0.5.21+:
     one more buffer, the last); a release without that buffer refuses it by name."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
@@ -430,7 +430,7 @@ def make_metadata_buffers(rows: int, hidden_size: int, dtype, kv_checksum: bool 
     if releases.features().metadata_buffers_sampling_mask:  # 0.5.2x
         kwargs["max_sampling_mask_tokens"] = 0
     if kv_checksum:
-        if "kv_checksum_enabled" not in releases.init_parameters(MetadataBuffers):
+        if not releases.features().metadata_buffers_kv_checksum:
             raise RuntimeError(
                 f"SGLang {sglang_version()}'s MetadataBuffers has no KV-checksum buffer (no kv_checksum_enabled "
                 "parameter): the scenario's kv_checksum_on cannot be built on this release"

@@ -307,8 +307,9 @@ class Worker:
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
 
+        hidden = scn.decode_hidden_size if self.role == "decode" and scn.decode_hidden_size else scn.hidden_size
         self.meta = ss.make_metadata_buffers(
-            scn.aux_rows, scn.hidden_size, dtype, kv_checksum=scn.kv_checksum_on in (self.role, "both")
+            scn.aux_rows, hidden, dtype, kv_checksum=scn.kv_checksum_on in (self.role, "both")
         )
         ptrs, lens, items = self.meta.get_buf_infos()
         self.pools.append(_Pool(AUX_POOL_ID, "aux", ss.metadata_tensors(self.meta, ptrs), ptrs, lens, items))

@@ -55,10 +55,16 @@ class BuiltinScenario:
     # bug's failure on that release, else a reason; called after the checks
     # every scenario shares (``not_a_stock_run_failure``).
     signature: Callable = None
+    # () -> bool: whether the installed SGLang can build the scenario at all (a
+    # constructor argument it is made from, say); None: every release can.
+    buildable: Callable = None
 
     def applies(self, policy: releases.ReleasePolicy) -> bool:
         # Not where the code path is absent (n/a), nor where the bug is live but this
-        # plugin version has no adapter for the release (uncovered: -ext is stock there).
+        # plugin version has no adapter for the release (uncovered: -ext is stock there),
+        # nor where SGLang cannot build what the scenario is made of.
+        if self.buildable is not None and not self.buildable():
+            return False
         return policy.fixes.get(self.fix) in (releases.FixStatus.LIVE, releases.FixStatus.UPSTREAM)
 
     def stock_expectation(self, policy: releases.ReleasePolicy) -> str:
