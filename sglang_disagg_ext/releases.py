@@ -11,9 +11,9 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
-0.5.11           up    live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
-0.5.12(.post1)   up    up    live  live  live  live    live  live  live    uncov.  n/a     uncov.  per-component
+0.5.10.post1     live  live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
+0.5.11           up    live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
+0.5.12(.post1)   up    up    live  live  live  live    live  live  live    live    n/a     uncov.  per-component
 0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     uncov.  per-component
   0.5.19 [1]
 0.5.20, 0.5.21   up    up    up    up    up    live    live  live  live    live    n/a     live    per-component
@@ -51,10 +51,12 @@ STANDALONE) land misplaced with Success; F10 decode holds a request whose metada
 row never shows its room forever (0.5.12 decode.py:1412-1415, 0.5.23
 utils.py:245-260). F9's verdict is reached in 0.5.23's ``check_peer_aux_buffer_count``
 and, before it, where F6's pool-sizes frame is read (the same registration
-message, on the bootstrap thread); F10 before 0.5.13 runs
-after the TP all-reduce (a per-rank deadline would desynchronise the ranks); from
-0.5.13 the gate is ``utils._apply_metadata_gate`` (0.5.13 utils.py:78), replaced by
-the plugin as on 0.5.23.
+message, on the bootstrap thread); F10: from 0.5.13 the gate is
+``utils._apply_metadata_gate`` (0.5.13 utils.py:78), replaced by the plugin as on
+0.5.23; before, the same test sits in ``DecodeTransferQueue._commit_transfer_to_req``
+after the TP all-reduce (a per-rank deadline there would desynchronise the ranks),
+so the plugin installs 0.5.13's gate, with the deadline, before the all-reduce
+(``backends/metadata_gate``; the opt-in staging path is not gated there).
 F11 (NIXL nixl/conn.py and common/conn.py of every wheel read): the head-sliced
 SWA state path (``_send_swa_state_slice``, common ``_get_mha_head_slice_blocks``
 raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
@@ -170,7 +172,7 @@ EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (F6, F7, F8, F10 active, F12 on 0.5.20-0.5.22, F11 on 0.5.22; an unlisted .postN of "
+    "0.5.13 through 0.5.22 (F6-F10 active, F12 on 0.5.20-0.5.22, F11 on 0.5.22, F13 on 0.5.13-0.5.21; an unlisted .postN of "
     "0.5.13-0.5.23 passes through to the stock classes)"
 )
 
@@ -282,10 +284,10 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
     "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
     "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
     "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
@@ -671,6 +673,16 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         return hasattr(DecodeTransferQueue, "_release_request")
+
+    @functools.cached_property
+    def metadata_gate_function(self) -> bool:
+        """Whether decode gates a Success on its metadata row in ``utils._apply_metadata_gate``,
+        before the polls' all-reduce (0.5.13+, 0.5.13 utils.py:78). Up to 0.5.12.x the
+        same test runs in ``DecodeTransferQueue._commit_transfer_to_req``, after it
+        (0.5.12.post1 decode.py:1412-1415)."""
+        from sglang.srt.disaggregation import utils as dutils
+
+        return hasattr(dutils, "_apply_metadata_gate")
 
     @functools.cached_property
     def metadata_gate_needs_server_args(self) -> bool:

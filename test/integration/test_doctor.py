@@ -15,16 +15,16 @@ import pytest
 # KV send blacklists the session (0.5.10.post1 mooncake/conn.py:1270-1271, 0.5.11 :1275-1276,
 # 0.5.12.post1 :1323-1324, 0.5.23 :2742-2745).
 # F9 (metadata buffers paired by position, addressed with prefill's row sizes: send_aux in every
-# wheel) is live and covered on every release; F10 is live there too but covered only from 0.5.13
-# (the metadata gate function exists there; status "live, not covered" before).
+# wheel) and F10 (decode's metadata gate without a deadline: utils._apply_metadata_gate from 0.5.13,
+# DecodeTransferQueue._commit_transfer_to_req before) are live and covered on every release.
 # 0.5.13-0.5.21 (the release sweep runs this file there): the Mooncake fixes F6-F10, and
 # F12 on 0.5.20/0.5.21. F13 (NIXL SWA state across TP sizes) on 0.5.13-0.5.21.
 # F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.22
 # (not in the CI matrix; the release sweep runs this file there) and 0.5.23.
 TRUTH = {
-    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9"}, False),
-    "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9"}, True),
-    "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9"}, True),
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, False),
+    "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
+    "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
     **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F13"}, True) for r in (
         "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
     # F12 (MoRI rows and status on two sockets, 0.5.22's shape) from 0.5.20.

@@ -18,13 +18,15 @@ A full two-process harness scenario is not used: the harness's decode worker
 polls the receiver itself and has no transfer queue, so SGLang's gate never
 runs there; adding a queue to it would mean more stand-ins, not fewer.
 
-F10 is live from 0.5.13, the first release with the gate function; its queue
-differs per release (0.5.13-0.5.18 pass ``server_args`` to the gate, releases
-before 0.5.20 handle prefill's status inline, before 0.5.22 the KV pages are
-released through ``release_kv_cache``): the scenario module says which stand-in
-covers which. Where F10 is not live here (0.5.10.post1 - 0.5.12.post1, where the
-gate is ``DecodeTransferQueue._commit_transfer_to_req``, F10 "live, not
-covered"), the plugin installs nothing; the tests that need the gate are n/a.
+F10 is live on every release; its queue differs per release (0.5.13-0.5.18
+pass ``server_args`` to the gate, releases before 0.5.20 handle prefill's status
+inline, before 0.5.22 the KV pages are released through ``release_kv_cache``):
+the scenario module says which stand-in covers which. Up to 0.5.12.post1 there
+is no gate function: stock holds the request in
+``DecodeTransferQueue._commit_transfer_to_req``, after the all-reduce, and the
+plugin installs 0.5.13's gate with the deadline before it, through the decode
+module's ``poll_and_all_reduce`` while the transfer queue's ``pop_transferred``
+runs (``backends/metadata_gate.py``); the boundary there is that name.
 """
 
 import gc
@@ -207,13 +209,31 @@ def test_gate_changes_only_a_held_success_past_its_deadline(ext, timeout_s, expe
         expected = [0, 1, 2, 3, 4, 0, 4]  # SGLang's patched gate at timeout 0: as ext-expired
 
     reqs, buffers, mgr = _gate_inputs()
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="mooncake")
     with scenario.waiting_timeout(timeout_s), metadata_gate.metadata_gate_deadline(enabled=ext):
-        # What DecodeTransferQueue._poll_with_metadata_gate calls; one rank, so no reduction.
-        extra = {}
-        if releases.features().metadata_gate_needs_server_args:  # 0.5.13-0.5.18
-            extra["server_args"] = types.SimpleNamespace(disaggregation_transfer_backend="mooncake")
-        polls = utils.poll_and_all_reduce([r.kv_receiver for r in reqs], scenario._one_rank_group(),
-                                          decode_reqs=reqs, metadata_buffers=buffers, **extra)
+        if releases.features().metadata_gate_function:
+            # What DecodeTransferQueue._poll_with_metadata_gate calls; one rank, so no reduction.
+            extra = {}
+            if releases.features().metadata_gate_needs_server_args:  # 0.5.13-0.5.18
+                extra["server_args"] = server_args
+            polls = utils.poll_and_all_reduce([r.kv_receiver for r in reqs], scenario._one_rank_group(),
+                                              decode_reqs=reqs, metadata_buffers=buffers, **extra)
+        else:
+            # Up to 0.5.12.x: what pop_transferred calls (the decode module's name), while the
+            # queue is marked as polling (what the plugin's pop_transferred wrapper does).
+            # Stock has no gate before the all-reduce: request 5's Success goes through
+            # (its _commit_transfer_to_req holds it afterwards).
+            from sglang.srt.disaggregation import decode
+
+            if not ext:
+                expected = [0, 1, 2, 3, 4, 4, 4]
+            queue = types.SimpleNamespace(queue=reqs, metadata_buffers=buffers,
+                                          scheduler=types.SimpleNamespace(server_args=server_args))
+            token = metadata_gate._polling_queue.set(queue)
+            try:
+                polls = decode.poll_and_all_reduce([r.kv_receiver for r in reqs], scenario._one_rank_group())
+            finally:
+                metadata_gate._polling_queue.reset(token)
     assert polls == expected
     if expected[5] == 0:
         assert list(mgr.failure_records) == [9005]
@@ -227,32 +247,39 @@ def test_gate_changes_only_a_held_success_past_its_deadline(ext, timeout_s, expe
 @needs_live
 @pytest.mark.timeout(120)
 def test_install_is_idempotent_and_uninstall_restores_stock():
-    from sglang.srt.disaggregation import utils
+    """0.5.13+: the gate function is replaced; up to 0.5.12.x (no gate function, hand-read in
+    GATE_IN_UTILS) the decode module's poll_and_all_reduce and the transfer queue's
+    pop_transferred are."""
+    from sglang.srt.disaggregation import decode, utils
 
-    stock = utils._apply_metadata_gate
-    assert not metadata_gate.installed()
-    hooked = ["sglang.srt.disaggregation.utils._apply_metadata_gate"]
-    assert metadata_gate.install_metadata_gate_deadline() == hooked
-    assert metadata_gate.install_metadata_gate_deadline() == hooked
-    assert metadata_gate.installed() and utils._apply_metadata_gate is metadata_gate.gate_with_deadline
-    metadata_gate.uninstall_metadata_gate_deadline()
-    assert utils._apply_metadata_gate is stock and not metadata_gate.installed()
-    metadata_gate.uninstall_metadata_gate_deadline()  # nothing installed: a no-op
-    assert utils._apply_metadata_gate is stock
-    with metadata_gate.metadata_gate_deadline(enabled=True):
-        assert metadata_gate.installed()
-    assert utils._apply_metadata_gate is stock
-
-
-@pytest.mark.timeout(120)
-def test_install_refuses_a_release_without_the_gate_function():
     if POLICY.version not in GATE_IN_UTILS:
         pytest.skip(f"n/a: no hand-read gate fact for SGLang {POLICY.version}")
+    assert releases.features().metadata_gate_function is GATE_IN_UTILS[POLICY.version]
+
+    def hooks():
+        if GATE_IN_UTILS[POLICY.version]:
+            return (utils._apply_metadata_gate,)
+        return (decode.poll_and_all_reduce, decode.DecodeTransferQueue.pop_transferred)
+
+    stock = hooks()
     if GATE_IN_UTILS[POLICY.version]:
-        pytest.skip("n/a: this release has the gate function (see the install tests)")
-    with pytest.raises(RuntimeError, match=r"_apply_metadata_gate does not exist in this SGLang"):
-        metadata_gate.install_metadata_gate_deadline()
+        hooked = ["sglang.srt.disaggregation.utils._apply_metadata_gate"]
+        ours = (metadata_gate.gate_with_deadline,)
+    else:
+        hooked = ["sglang.srt.disaggregation.decode.poll_and_all_reduce",
+                  "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred"]
+        ours = (metadata_gate.poll_and_all_reduce_gated, metadata_gate.pop_transferred_marked)
     assert not metadata_gate.installed()
+    assert metadata_gate.install_metadata_gate_deadline() == hooked
+    assert metadata_gate.install_metadata_gate_deadline() == hooked
+    assert metadata_gate.installed() and hooks() == ours
+    metadata_gate.uninstall_metadata_gate_deadline()
+    assert hooks() == stock and not metadata_gate.installed()
+    metadata_gate.uninstall_metadata_gate_deadline()  # nothing installed: a no-op
+    assert hooks() == stock
+    with metadata_gate.metadata_gate_deadline(enabled=True):
+        assert metadata_gate.installed()
+    assert hooks() == stock
 
 
 @pytest.mark.timeout(300)

@@ -221,8 +221,11 @@ def _manager(waiting_timeout_s: int):
 
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
     mgr = object.__new__(MooncakeKVManager)
     # As CommonKVManager.__init__ sets them on decode (0.5.23 common/conn.py:405-492).
+    mgr.disaggregation_mode = DisaggregationMode.DECODE
     mgr.request_status = {}
     mgr.failure_records = {}
     mgr.failure_lock = threading.Lock()
@@ -294,12 +297,16 @@ def _queue(metadata_buffers, allocator):
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    streamed = _Recorder()
     scheduler = types.SimpleNamespace(
         enable_decode_hicache=False,
         enable_hisparse=False,
         kv_checksum_computer=None,
         metrics_reporter=types.SimpleNamespace(enable_metrics=False),
-        output_streamer=types.SimpleNamespace(stream_output=_Recorder()),
+        output_streamer=types.SimpleNamespace(stream_output=streamed),
+        # Up to 0.5.12.x the queue reads these two on the scheduler itself.
+        enable_metrics=False,
+        stream_output=streamed,
         batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
         disagg_decode_prealloc_queue=None,
         hisparse_coordinator=None,
@@ -443,7 +450,7 @@ def _run(report: GateReport, case: str, deadline_s: int) -> None:
         if queue.queue:
             report.outcome = "queued"
             if not installed_here():  # stock only: the ext gate would act on what it is asked
-                report.gate_poll = poll_name(queue._poll_with_metadata_gate()[0])
+                report.gate_poll = _stock_gate_poll(queue, decode_req)
         elif transferred:
             report.outcome = "transferred"
             report.committed_output_ids = list(req.output_ids)
@@ -458,6 +465,18 @@ def _run(report: GateReport, case: str, deadline_s: int) -> None:
         if not queue.queue:
             tables = ("request_status", "failure_records", "required_prefill_response_num_table", "prefill_response_tracker")
             report.room_left_in = [t for t in tables if ROOM in getattr(mgr, t)]
+
+
+def _stock_gate_poll(queue, decode_req) -> str:
+    """What stock's metadata gate makes of the request now: its gated poll (0.5.13+,
+    ``_poll_with_metadata_gate``); up to 0.5.12.x, where the test sits in
+    ``_commit_transfer_to_req`` after the all-reduce, "Transferring" when that method
+    holds the request (returns False: the row shows room 0; nothing is changed then)."""
+    from sglang_disagg_ext.selftest.harness.sglang_setup import poll_name
+
+    if releases.features().metadata_gate_function:
+        return poll_name(queue._poll_with_metadata_gate()[0])
+    return "Transferring" if queue._commit_transfer_to_req(decode_req) is False else "Success"
 
 
 def installed_here() -> bool:
@@ -507,8 +526,7 @@ def _row(name: str, run: Callable[[bool], GateReport], stock_expected: str,
 def metadata_gate_rows(deadline_s: int = DEADLINE_S) -> List[Dict]:
     """F10 rows for the selftest table: each case run stock and ext in this process.
 
-    Where F10 is not live (the plugin installs no gate there) the rows are
-    "n/a": the scenario drives the queue and gate function of 0.5.13+.
+    Where F10 is not live (the plugin installs no gate there) the rows are "n/a".
     """
     from sglang_disagg_ext.selftest.rows import make_row
 
@@ -517,7 +535,7 @@ def metadata_gate_rows(deadline_s: int = DEADLINE_S) -> List[Dict]:
     if not (policy.is_live("F10") and policy.support is releases.Support.ACTIVE):
         status = policy.fixes.get("F10")
         why = (f"F10 is {getattr(status, 'value', status)!r} on SGLang {policy.version}: -ext installs no "
-               "metadata-gate deadline here (the scenario drives the queue and gate of 0.5.13+)")
+               "metadata-gate deadline here")
         return [make_row(n, "F10", "all", "n/a", "n/a", False, 0.0, why=why) for n in (lost_name, landed_name)]
     try:  # import SGLang's modules up front, so no row's seconds include them
         from sglang.srt.disaggregation import decode  # noqa: F401
