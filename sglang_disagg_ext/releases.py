@@ -795,6 +795,25 @@ class SGLangFeatures:
         return fn is None or any(isinstance(n, ast.Name) and n.id == "dst_replication" for n in ast.walk(fn))
 
     @functools.cached_property
+    def nixl_is_dummy_method(self) -> bool:
+        """Whether NIXL's ``TransferInfo.is_dummy`` is a method (up to 0.5.20: 0.5.13
+        nixl/conn.py:76, 0.5.19 :171, which also reads ``is_dummy_rank``); from 0.5.21 it
+        is a dataclass field (0.5.21 :176, 0.5.23 :297)."""
+        from sglang.srt.disaggregation.nixl.conn import TransferInfo
+
+        return callable(getattr(TransferInfo, "is_dummy", None))
+
+    @functools.cached_property
+    def nixl_conclude_failure(self) -> bool:
+        """Whether the NIXL manager has ``conclude_failure`` (record the reason, set Failed,
+        send Failed with the reason to every decode rank of the room; common/conn.py, 0.5.20+).
+        Before, a NIXL prefill has no message that tells decode a room failed: decode ends
+        it by its waiting timeout."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+        return hasattr(NixlKVManager, "conclude_failure")
+
+    @functools.cached_property
     def stock_nixl_worker_tells_decode(self) -> bool:
         """Whether stock NIXL's ``transfer_worker`` tells decode when a room fails in it (read from
         the installed ``disaggregation/nixl/conn.py``, imports nothing): it calls

@@ -23,11 +23,10 @@ nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
   ``thread_recoveries_total{role="prefill",thread="bootstrap"}``, and that
   decode is refused with the exception as the reason; the bootstrap thread
   goes on (stock logs and re-raises, :3415-3426).
-  A refused decode's rooms end Failed at once on both sides: when the
-  bootstrap thread marks such a room ready (``update_status(WaitingForInput)``)
-  it is concluded Failed instead, which tells decode through SGLang's own
-  status message; a room that became ready before prefill created it is
-  failed when the scheduler sends its first chunk (``add_transfer_request``).
+  A refused decode's rooms end Failed at once on both sides (SGLang's own
+  status message tells decode). Both, the refusal and the survival, are
+  :class:`.nixl_registration.RegistrationRefusalMixin`, which F13's class on
+  0.5.13-0.5.21 shares; this class adds the head-layout check (``_check_pair``).
 * **Decode listener survival** (decode): stock's ``decode_listener_thread``
   (nixl/conn.py:1017-1043) has no handler, and on 0.5.23 it is the only way a
   NIXL decode learns a room's Success or Failed (the ``KV_STATUS`` message;
@@ -54,69 +53,37 @@ nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
-from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
-from sglang_disagg_ext.core.thread_survival import failure_reason, root_cause
+from sglang_disagg_ext.core.thread_survival import failure_reason
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
-class NixlNewestKVManager(NixlKVManager):
+class NixlNewestKVManager(RegistrationRefusalMixin, NixlKVManager):
     """Stock 0.5.22/0.5.23 NIXL manager with F11; see the module docstring."""
+
+    refusal_fix = "F11"
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
         thread at startup (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
-        ``._init_kv_manager``). The stock constructor starts the bootstrap thread
-        (prefill), which calls ``_add_remote_peer`` and ``update_status``: every
-        field they read is set before ``super().__init__``.
+        ``._init_kv_manager``); the registration tables are the mixin's, set before
+        the stock constructor starts the bootstrap thread.
         """
-        self._f11_lock = threading.Lock()
-        # decode agent name -> (its TP rank, why it cannot be served), refused at registration
-        self._f11_refused: Dict[str, Tuple[int, str]] = {}
         super().__init__(*args, **kwargs)
         activation_log.announce(type(self).__name__)
 
-    # -- registration (bootstrap thread) -------------------------------------------------
-    def _add_remote_peer(self, decode_kv_args):
-        """Stock registration, after the head-slice check; never raises.
-
-        Contract: stock ``bootstrap_thread`` calls it on prefill for every
-        registration message (room ``None``) of a decode rank, parsed by
-        ``KVArgsRegisterInfo.from_zmq``; an agent name already in
-        ``decode_kv_args_table`` is ignored by stock. It runs on the one
-        bootstrap thread that also serves every other decode's messages, so it
-        must not raise (stock's raise ends that thread) and must not block.
-        """
-        name = decode_kv_args.agent_name
-        if self.disaggregation_mode != DisaggregationMode.PREFILL or name in self.decode_kv_args_table:
-            return super()._add_remote_peer(decode_kv_args)
-        rank = getattr(decode_kv_args, "decode_tp_rank", -1)
-        try:
-            rank = int(rank)
-            self._f11_check_pair(decode_kv_args)
-        except HeadLayoutError as exc:
-            self._f11_refuse(name, rank, f"decode TP rank {rank} refused at registration: {exc}")
-            return None
-        except Exception as exc:  # noqa: BLE001 - a bug in the check must not end the thread either
-            self._f11_registration_raised(name, rank, exc)
-            return None
-        try:
-            return super()._add_remote_peer(decode_kv_args)
-        except Exception as exc:  # noqa: BLE001 - keep the bootstrap thread alive; refuse this decode
-            self._f11_registration_raised(name, rank, exc)
-            return None
-
-    def _f11_check_pair(self, info) -> None:
+    # -- registration (bootstrap thread; RegistrationRefusalMixin calls it) ----------------
+    def _check_pair(self, info) -> None:
         """Raise HeadLayoutError where stock would slice heads it cannot slice."""
         decode_tp = int(info.decode_tp_size)
         if (
@@ -149,78 +116,6 @@ class NixlNewestKVManager(NixlKVManager):
                 )
             check_head_sliced_pair(f"SWA state (component {i})", self.attn_tp_size, decode_tp, heads, page,
                                    list(zip(src, dst)))
-
-    def _f11_registration_raised(self, name: str, rank, exc: BaseException) -> None:
-        root = root_cause(exc)
-        logger.exception("nixl-ext: registering decode %s (TP rank %s) raised; refusing it, the bootstrap "
-                         "thread keeps serving", name, rank)
-        metrics.count("thread_recoveries_total", role="prefill", thread="bootstrap")
-        self._f11_refuse(
-            name, rank, f"decode TP rank {rank} refused: its registration raised {type(root).__name__}: {root}"
-        )
-
-    def _f11_refuse(self, name: str, rank, reason: str) -> None:
-        rank = rank if isinstance(rank, int) else -1  # the sort key of _f11_room_refusal
-        with self._f11_lock:
-            self._f11_refused[name] = (rank, reason)
-        logger.error("nixl-ext: decode %s: %s", name, reason)
-
-    def _f11_room_refusal(self, room: int) -> Optional[str]:
-        """The refusal of the lowest refused decode rank this room sends to (None: none refused)."""
-        if not self._f11_refused:
-            return None
-        # Snapshot: the bootstrap thread may add a late peer while we walk it.
-        refusals = [
-            self._f11_refused[info.agent_name]
-            for info in list((self.transfer_infos.get(room) or {}).values())
-            if not getattr(info, "is_dummy", False) and info.agent_name in self._f11_refused
-        ]
-        # The lowest rank's, so both sides of every room name the same one.
-        return min(refusals)[1] if refusals else None
-
-    def _f11_fail_room(self, room: int, reason: str) -> None:
-        metrics.count("requests_refused_total", fix="F11", reason="decode refused at registration")
-        # SGLang's own conclusion: records the reason, marks the room Failed and
-        # sends Failed with the reason to every decode rank of the room.
-        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-
-    # -- rooms ---------------------------------------------------------------------------
-    def update_status(self, bootstrap_room: int, status: KVPoll):
-        """Stock, except that a ready room of a refused decode concludes Failed instead.
-
-        Contract: called from every thread of the manager (scheduler: sender
-        init/abort; bootstrap thread: a room's decode infos are complete ->
-        ``WaitingForInput``; transfer workers: progress and conclusions). Only
-        that bootstrap-thread case is changed, and only for a room already
-        created by its sender (stock refuses to resurrect a room it has not
-        seen); it must not raise or block.
-        """
-        if (
-            status == KVPoll.WaitingForInput
-            and self._f11_refused
-            and bootstrap_room in self.request_status
-            and self.request_status.get(bootstrap_room) != KVPoll.Failed
-        ):
-            reason = self._f11_room_refusal(bootstrap_room)
-            if reason is not None:
-                self._f11_fail_room(bootstrap_room, reason)
-                return None
-        return super().update_status(bootstrap_room, status)
-
-    def add_transfer_request(self, bootstrap_room: int, *args, **kwargs):
-        """Stock, but a room of a refused decode concludes Failed instead of being queued.
-
-        Contract: prefill scheduler thread, ``NixlKVSender.send`` per chunk. The
-        room reaches it only when it became ready before its sender existed
-        (``update_status`` could not fail it then). Stock would queue the chunk
-        for a transfer worker, which asserts the decode is registered. Never raise.
-        """
-        reason = self._f11_room_refusal(bootstrap_room)
-        if reason is not None:
-            if self.request_status.get(bootstrap_room) != KVPoll.Failed:
-                self._f11_fail_room(bootstrap_room, reason)
-            return None
-        return super().add_transfer_request(bootstrap_room, *args, **kwargs)
 
     # -- decode listener (decode) ----------------------------------------------------------------
     def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,

@@ -39,6 +39,15 @@ A layout the head math cannot serve (heads that do not split over a TP size,
 an SWA pool whose head bytes differ between the sides, different layer-buffer
 counts) raises ``HeadLayoutError`` naming the component and the sizes; stock's
 transfer worker then fails that room as it does for its own refusal.
+
+Prefill's bootstrap thread survives a registration that raises
+(:class:`.nixl_registration.RegistrationRefusalMixin`, shared with F11's class):
+stock's thread (0.5.13 nixl/conn.py:1821-1880) has no handler, so one exception
+while registering one decode rank ends it, and every later room of every decode
+waits out SGLang's timeouts. Here that decode rank is refused with the exception
+as the reason, its rooms end Failed on prefill at once (decode is told from
+0.5.20, through ``conclude_failure``; up to 0.5.19 no NIXL message can tell it,
+and it ends them by its waiting timeout), and every other decode is still served.
 """
 
 from __future__ import annotations
@@ -47,10 +56,10 @@ import functools
 import logging
 from typing import Dict, List, Optional
 
-import numpy as np
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, releases
+from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.head_slice import HeadLayout, HeadLayoutError, head_slice_rows, resolve_total_kv_heads, transfer_requests
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
@@ -58,8 +67,10 @@ from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
-class NixlSwaTpKVManager(NixlKVManager):
+class NixlSwaTpKVManager(RegistrationRefusalMixin, NixlKVManager):
     """Stock 0.5.13-0.5.21 NIXL manager with F13; see the module docstring."""
+
+    refusal_fix = "F13"
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler thread

@@ -19,9 +19,17 @@ cache as head slices. The one replacement: both sides register host memory throu
 harness's shim (``harness/nixl_shim.py``), since UCX here has no CUDA support and stock
 registers the pools as "VRAM"; ``nixl-ext`` keeps stock's memory handling, so it gets the same
 shim. Nothing in the code under test is replaced.
+
+The bootstrap-thread case (F13's class shares F11's registration refusal,
+``backends/nixl_registration.py``) injects one exception with the hook of
+``test/support/prefill_faults.py::raise_in_registration``: stock
+``_add_remote_peer``'s call to ``_prepare_payload_xfer`` raises once, for decode TP rank 0,
+the narrowest point inside one registration.
 """
 
 import functools
+import os
+import re
 
 import pytest
 from conftest import required_part
@@ -31,6 +39,7 @@ from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness import nixl_shim
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.scenarios import nixl as S
+from sglang_disagg_ext.selftest.scenarios import nixl_newest as N
 
 pytestmark = [
     pytest.mark.engine,
@@ -140,3 +149,53 @@ def test_ext_sends_swa_state_as_head_slices(p, d):
     assert r.rank_status == {n: "Success" for n in ranks(p, d)}, result.describe()
     assert r.bytes_verified and r.mismatches == [], result.describe()
     assert r.thread_errors == [], result.describe()
+
+
+FAULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "prefill_faults.py")
+
+
+def _timed_out(reason, state: str) -> bool:
+    """SGLang's timeout in ``KVPoll.<state>`` after at least the scenario's waiting timeout."""
+    m = re.search(rf"timed out after (\d+\.\d)s in KVPoll\.{state}\b", reason or "")
+    return m is not None and float(m.group(1)) >= N.TIMEOUTS.sglang_waiting_s
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+def test_bootstrap_thread_survives_a_registration_that_raises():
+    """KV only, prefill TP 1 -> decode TP 2, two rooms; decode rank 0's registration raises once.
+    Stock: the exception ends prefill's bootstrap thread (0.5.13-0.5.20 ``bootstrap_thread``,
+    0.5.21 ``bootstrap_thread_guarded`` logs and re-raises), and both rooms end on every rank
+    only by SGLang's timeouts (prefill in Bootstrapping, decode in WaitingForInput). -ext: decode
+    rank 0 is refused with the exception as the reason, counted as one bootstrap-thread
+    recovery; both rooms Failed on prefill at once, which needs the thread alive after the
+    fault (decode rank 1's registration and both rooms' messages come after it); decode is told
+    at once from 0.5.20 (``conclude_failure``), up to 0.5.19 it ends them by its waiting
+    timeout (no NIXL message there tells decode of a failure); nothing written to decode."""
+    env = {nixl_shim.ENV: "1", "SGLANG_HARNESS_PREFILL_HOOK": f"{FAULTS}:{N.PREFILL_HOOK}"}
+    stock = run_scenario(N.registration_fault(), "nixl", extra_env=env)
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
+    died = re.compile(r"\(bootstrap_thread(_guarded)?\): InjectedFault: " + re.escape(N.FAULT))
+    assert any(died.search(t) for t in stock.requests[0].thread_errors), stock.describe()
+    for r in stock.requests:
+        assert r.rank_status == {n: "Failed" for n in ranks(1, 2)}, stock.describe()
+        assert _timed_out(r.prefill_failure_reason, "Bootstrapping"), stock.describe()
+        assert _timed_out(r.decode_failure_reason, "WaitingForInput"), stock.describe()
+
+    ext = run_scenario(N.registration_fault(), "nixl-ext", extra_env=env)
+    assert ext.prefill_manager == EXT_MANAGER, ext.describe()
+    told = releases.features().nixl_conclude_failure
+    for r in ext.requests:
+        assert r.rank_status == {n: "Failed" for n in ranks(1, 2)}, ext.describe()
+        assert r.prefill_failure_reason == per_rank(["prefill0"], N.REGISTRATION_FAULT_REASON), ext.describe()
+        # (prefill's reason is the refusal, not SGLang's bootstrap timeout: refused, not waited out)
+        if told:
+            assert r.decode_failure_reason == per_rank(["decode0", "decode1"], N.REGISTRATION_FAULT_REASON), (
+                ext.describe())
+            assert r.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
+        else:
+            assert _timed_out(r.decode_failure_reason, "WaitingForInput"), ext.describe()
+        listed = [m for m in r.mismatches if "more mismatching elements not listed" not in m]
+        assert listed and all("found the sentinel" in m for m in listed), ext.describe()
+    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
+    metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
+    assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
