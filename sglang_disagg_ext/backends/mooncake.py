@@ -287,7 +287,10 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
                            policy.version)
     if policy.is_live("F1") or policy.is_live("F2"):
         state_class = MooncakeExtKVManagerFlat if policy.layout is StateLayout.FLAT else MooncakeExtKVManagerPerComponent
-    elif mixins:
+    elif mixins or policy.routes("mooncake"):
+        # routes() without a live fix: patched sources carrying every live Mooncake fix
+        # (patches/0.5.23: F6-F9). The -ext name still runs the plugin's manager, which
+        # then adds nothing to the patched stock code.
         state_class = MooncakeExtKVManager
     else:
         return None

@@ -10,6 +10,10 @@ every other page still holds its sentinel.
 Injection: the out-of-pool index is the request's own decode page list
 (``RequestSpec(allow_out_of_pool=True)``), handed by the harness's decode to
 SGLang's real ``send_metadata``: the narrowest boundary, nothing replaced.
+
+On sources carrying patches/0.5.23's F6 diff (`make test-patched`) the -ext vs
+stock tests skip ("n/a"): there ``mooncake-ext`` adds nothing to the patched code, and the patched test
+below runs SGLang's own ``mooncake`` through the same scenarios instead.
 """
 
 import pytest
@@ -29,7 +33,25 @@ pytestmark = pytest.mark.engine
 
 POLICY = releases.current_policy()
 LIVE = POLICY.is_live("F6")
-live_only = pytest.mark.skipif(not LIVE, reason=f"F6 is not live on SGLang {POLICY.version}")
+PATCHED = "F6" in POLICY.patched
+live_only = pytest.mark.skipif(
+    not LIVE,
+    reason=("n/a: these sources carry patches/'s F6 diff; the patched test below runs instead" if PATCHED
+            else f"F6 is not live on SGLang {POLICY.version}"),
+)
+# patches/0.5.23's F6 diff: SGLang's own reasons, written out by hand from each scenario's
+# numbers (the plugin's wording, after "decode session <id>: "). Stock Mooncake's status
+# message carries no reason, so a stock decode records its own generic one.
+PATCHED_REFUSALS = {
+    "bad kv page, then 3 good":
+        "kv: destination index 40 (position 1 of 2) outside decode's pool of 12 pages (valid 0..11)",
+    "bad swa state page, then 3 good":
+        "state component 0 (swa): destination index 8 (position 2 of 3) outside decode's pool of 8 entries "
+        "(valid 0..7)",
+}
+STOCK_DECODE_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
+PATCHED_REFUSED_LINE = "refused before transfer: decode session "
+PATCHED_PROBE_LINE = "failed, but the peer answers a probe: only that request is failed, the session is kept"
 NO_SIZES_LINE = "published no pool sizes (a stock decode): destination index checks are off"
 
 
@@ -114,3 +136,34 @@ def test_stock_prefill_ignores_the_extra_registration_frame():
     assert result.decode_manager.startswith("sglang_disagg_ext."), result.describe()
     assert result.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), result.describe()
     assert result.ok, result.describe()
+
+
+@pytest.mark.skipif(not PATCHED, reason="n/a: these SGLang sources do not carry patches/'s F6 diff")
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("builtin", SCENARIOS + [DROPPED_WRITE], ids=[s.name for s in SCENARIOS + [DROPPED_WRITE]])
+def test_patched_sglang_fails_the_bad_request_and_serves_the_rest(builtin):
+    """patches/<release>/'s F6 diff in SGLang's own Mooncake manager (`make test-patched`): stock
+    does what -ext does on the unpatched wheel. Out-of-pool index: request 0 Failed on both sides
+    within the bound, prefill's reason naming the component, the index and the pool size (decode's
+    stock's generic one), nothing of it written, no session marked failed. Dropped write: request 0
+    Failed with stock's engine-failure reason, prefill probes decode, finds it alive and keeps the
+    session. Either way the three valid requests after it pass byte for byte. The unpatched wheel's
+    stock runs of the same scenarios fail them (the tests above)."""
+    stock = run_scenario(builtin.build(POLICY), "mooncake")  # -ext's bounds: stock must pass here
+    assert stock.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), stock.describe()
+    no_session_marked = not any("failed." in x and "Session" in x for r in stock.requests for x in r.prefill_log)
+    if builtin is DROPPED_WRITE:
+        problem = dropped_write_problem(stock)
+        assert problem is None, f"{problem}\n{stock.describe()}"
+        assert stock.dropped_writes["engine_calls_failed"] >= 1, stock.dropped_writes
+        assert any(PATCHED_PROBE_LINE in x for x in stock.requests[0].prefill_log), stock.requests[0].prefill_log
+        assert no_session_marked, stock.describe()
+        return
+    want = PATCHED_REFUSALS[builtin.name]
+    problem = refusal_problem(stock, want, STOCK_DECODE_FAILED)
+    assert problem is None, f"{problem}\n{stock.describe()}"
+    assert want in stock.requests[0].prefill_failure_reason and "decode session " in \
+        stock.requests[0].prefill_failure_reason, stock.describe()
+    bad_log = stock.requests[0].prefill_log
+    assert any(PATCHED_REFUSED_LINE in x and want in x for x in bad_log), bad_log
+    assert no_session_marked, stock.describe()

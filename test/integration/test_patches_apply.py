@@ -29,7 +29,7 @@ EXPECTED_APPLIED = {
     "0.5.10.post1": ("F1", "F2", "F4", "F5"),
     "0.5.11": ("F2", "F4", "F5"),
     "0.5.12.post1": ("F3", "F4", "F5"),
-    "0.5.23": ("F7", "F8", "F9", "F10"),
+    "0.5.23": ("F6", "F7", "F8", "F9", "F10"),
 }
 
 needs_patches = pytest.mark.skipif(

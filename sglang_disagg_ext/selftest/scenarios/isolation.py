@@ -122,12 +122,13 @@ def _refused_then_served(name: str):
     return passed
 
 
-def refusal_problem(result, want: str) -> Optional[str]:
-    """None when request 0 was refused the -ext way and requests 1.. all passed; else why not."""
+def refusal_problem(result, want: str, decode_want: Optional[str] = None) -> Optional[str]:
+    """None when request 0 was refused the -ext way and requests 1.. all passed; else why not.
+    ``decode_want``: decode's reason where it differs (a stock decode, which is sent no reason)."""
     if result.error or len(result.requests) < 2:
         return f"run error or too few requests: {result.error}"
     bad, good = result.requests[0], result.requests[1:]
-    problem = refused_request_problem(bad, want)
+    problem = refused_request_problem(bad, want, decode_want)
     if problem:
         return problem
     for r in good:
