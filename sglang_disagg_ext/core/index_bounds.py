@@ -48,16 +48,27 @@ class PoolBounds:
 
 
 def entries(data_lens: Sequence[int], item_lens: Sequence[int], label: str) -> Optional[int]:
-    """Entries every buffer of one pool holds; None when the pool registered no buffers."""
+    """Entries every buffer of one pool holds; None when the pool registered no buffers
+    (or only empty ones).
+
+    An empty buffer (length 0, item length 0) is a placeholder, not a pool: SGLang
+    0.5.23 registers zero-row DSA index-share entries that way so that layer offsets
+    stay aligned across peers, and its transfer backends skip them
+    (mem_cache/memory_pool.py:5476-5484). It bounds nothing and is left out.
+    """
     data_lens, item_lens = list(data_lens or []), list(item_lens or [])
     if not data_lens and not item_lens:
         return None
     if len(data_lens) != len(item_lens):
         raise IndexBoundsError(f"{label}: {len(data_lens)} buffer lengths but {len(item_lens)} item lengths")
+    sized = []
     for b, (n, item) in enumerate(zip(data_lens, item_lens)):
+        if int(n) == 0 and int(item) == 0:
+            continue
         if int(item) <= 0 or int(n) < 0:
             raise IndexBoundsError(f"{label} buffer {b}: length {n}, item length {item}")
-    return min(int(n) // int(item) for n, item in zip(data_lens, item_lens))
+        sized.append(int(n) // int(item))
+    return min(sized) if sized else None
 
 
 def bounds_of(

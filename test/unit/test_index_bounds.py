@@ -27,6 +27,10 @@ def test_entries_is_the_smallest_buffer():
     # 1000 // 300 = 3 (a partial entry does not count)
     assert entries([1000], [300], "aux") == 3
     assert entries([], [], "kv") is None
+    # 0.5.23's zero-row DSA index-share placeholders (length 0, item length 0) bound nothing:
+    # 4096 // 512 = 8 from the one real buffer; only placeholders -> no bound.
+    assert entries([0, 4096, 0], [0, 512, 0], "state component 1") == 8
+    assert entries([0, 0], [0, 0], "state component 1") is None
 
 
 @pytest.mark.parametrize(
