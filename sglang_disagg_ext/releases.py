@@ -796,12 +796,27 @@ class SGLangFeatures:
 
     @functools.cached_property
     def nixl_is_dummy_method(self) -> bool:
-        """Whether NIXL's ``TransferInfo.is_dummy`` is a method (up to 0.5.20: 0.5.13
-        nixl/conn.py:76, 0.5.19 :171, which also reads ``is_dummy_rank``); from 0.5.21 it
-        is a dataclass field (0.5.21 :176, 0.5.23 :297)."""
+        """Whether NIXL's ``TransferInfo.is_dummy`` is a method (up to 0.5.19: 0.5.13
+        nixl/conn.py:76, 0.5.19 :171, which also reads ``is_dummy_rank``); from 0.5.20 it
+        is a dataclass field (0.5.20 :175, 0.5.23 :297)."""
         from sglang.srt.disaggregation.nixl.conn import TransferInfo
 
         return callable(getattr(TransferInfo, "is_dummy", None))
+
+    @functools.cached_property
+    def stock_nixl_sender_bootstrap_deadline(self) -> bool:
+        """Whether stock ``NixlKVSender.poll`` ends a room stuck in Bootstrapping by SGLang's
+        bootstrap timeout (``_check_bootstrap_timeout``: 0.5.18-0.5.22 in NIXL's own ``poll``,
+        0.5.19 nixl/conn.py:2819-2823; 0.5.23 in the inherited common ``_poll_with_status``,
+        common/conn.py:2368-2371). Up to 0.5.17 NIXL's ``poll`` returns the manager's status
+        as it is: a room whose decode infos never complete on prefill stays Bootstrapping."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+        sources = []
+        for name in ("poll", "_poll_with_status"):
+            if any(name in klass.__dict__ for klass in NixlKVSender.__mro__):
+                sources.append(inspect.getsource(stock_callable(NixlKVSender, name)))
+        return any("_check_bootstrap_timeout" in src for src in sources)
 
     @functools.cached_property
     def nixl_conclude_failure(self) -> bool:

@@ -172,7 +172,7 @@ class RegistrationRefusalMixin:
 
 
 def _is_dummy(info) -> bool:
-    """Whether a room's decode rank receives nothing (a method up to 0.5.20, a field after)."""
+    """Whether a room's decode rank receives nothing (a method up to 0.5.19, a field after)."""
     if releases.features().nixl_is_dummy_method:
         return bool(info.is_dummy())
     return bool(getattr(info, "is_dummy", False))

@@ -305,6 +305,17 @@ _NIXL_FACTS = {
     **{r: (True, False) for r in ("0.5.17", "0.5.18", "0.5.19")},
     **{r: (True, True) for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
+# Read by hand (the registration refusal shared by F11 and F13, nixl_registration.py):
+# (nixl_conclude_failure: common/conn.py defines conclude_failure from 0.5.20;
+#  nixl_is_dummy_method: nixl TransferInfo.is_dummy is a method up to 0.5.19 (0.5.19 :171), a field
+#  from 0.5.20 (:175); stock_nixl_sender_bootstrap_deadline: NixlKVSender.poll calls
+#  _check_bootstrap_timeout from 0.5.18, 0.5.23 through common _poll_with_status :2368-2371).
+_NIXL_REGISTRATION_FACTS = {
+    **{r: (False, True, False) for r in ("0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13",
+                                        "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17")},
+    **{r: (False, True, True) for r in ("0.5.18", "0.5.19")},
+    **{r: (True, False, True) for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
+}
 
 
 @pytest.mark.timeout(20)
@@ -316,3 +327,5 @@ def test_nixl_probes_match_the_wheel_read_by_hand():
         pytest.skip(f"n/a: SGLang {version} was not read by hand")
     f = releases.features()
     assert (f.stock_nixl_prep_serves_decode_replicas, f.stock_nixl_worker_tells_decode) == _NIXL_FACTS[version]
+    assert (f.nixl_conclude_failure, f.nixl_is_dummy_method,
+            f.stock_nixl_sender_bootstrap_deadline) == _NIXL_REGISTRATION_FACTS[version]
