@@ -161,53 +161,33 @@ def test_default_run_reports_tcp_engine_and_cpu_pools(policy):
         assert res.pool_devices[role] == {"kv": "cpu", "aux": "cpu", "state0:swa": "cpu"}
 
 
+@needs_mooncake
 @pytest.mark.engine
 @pytest.mark.timeout(CLI_TIMEOUT + 30)
-@needs_mooncake
-def test_explicit_tcp_cpu_row_passes_like_the_default():
+def test_explicit_options_ext_only_and_verify_in_one_row():
+    """One CLI row with the options composed, each checked on what it changes (one run for the
+    three: CI time). ``--protocol tcp --device cpu``: the row passes like the default, engines on
+    TCP, pools on the CPU. ``--ext-only``: the row's -ext run passes with its bytes verified;
+    stock is "not run", never a verdict, and the JSON says which mode ran. ``--verify``: the
+    -ext workers run with ``SGLANG_DISAGG_EXT_VERIFY=1``; where verified transfers exist
+    (``verification.available``; by hand: Mooncake on 0.5.23 of the matrix,
+    ``test_doctor.VERIFY_AVAILABLE``) the row's decode checked the room against prefill's digest
+    and its plugin metrics say so; elsewhere the run says the rows are unverified."""
     name = _first_mooncake_scenario()
-    out = _cli("--backend", "mooncake", "--protocol", "tcp", "--device", "cpu", "--scenario", name, "--json",
-               timeout=CLI_TIMEOUT)
+    out = _cli("--backend", "mooncake", "--protocol", "tcp", "--device", "cpu", "--scenario", name,
+               "--ext-only", "--verify", "--json", timeout=CLI_TIMEOUT)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-    (row,) = json.loads(out.stdout)["rows"]
-    assert row["scenario"] == name
+    report = json.loads(out.stdout)
+    (row,) = [r for r in report["rows"] if r["scenario"] == name]
+    # --protocol tcp --device cpu
     assert row["ext"] == "pass" and row["verified"] is True, row
     assert row["engine_transport"] == ["tcp"] and row["pool_devices"] == ["cpu"], row
-
-
-@needs_mooncake
-@pytest.mark.engine
-@pytest.mark.timeout(CLI_TIMEOUT)
-def test_ext_only_runs_the_ext_side_alone():
-    """``--ext-only``: the row's -ext run passes with its bytes verified; stock is "not run",
-    never a verdict, and the JSON says which mode ran."""
-    name = _first_mooncake_scenario()
-    out = _cli("--backend", "mooncake", "--scenario", name, "--ext-only", "--json", timeout=CLI_TIMEOUT - 10)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
-    report = json.loads(out.stdout)
+    # --ext-only
     assert report["ext_only"] is True
-    (row,) = [r for r in report["rows"] if r["scenario"] == name]
     assert row["stock"] == "not run" and row["stock_detail"] == "not run (--ext-only)"
-    assert row["ext"] == "pass" and row["verified"] is True
     assert "each row runs -ext only (--ext-only)" in out.stderr
-
-
-@needs_mooncake
-@pytest.mark.engine
-@pytest.mark.timeout(CLI_TIMEOUT)
-def test_verify_checks_digests_where_available_and_says_so_elsewhere():
-    """``--verify``: the -ext workers run with ``SGLANG_DISAGG_EXT_VERIFY=1``. Where verified
-    transfers exist (``verification.available``; by hand: Mooncake on 0.5.23 of the matrix,
-    ``test_doctor.VERIFY_AVAILABLE``), the row's decode checked the room against prefill's
-    digest and its plugin metrics say so; elsewhere the run says the rows are unverified."""
-    name = _first_mooncake_scenario()
-    out = _cli("--backend", "mooncake", "--scenario", name, "--ext-only", "--verify", "--json",
-               timeout=CLI_TIMEOUT - 10)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
-    report = json.loads(out.stdout)
+    # --verify
     assert report["verify"] is True
-    (row,) = [r for r in report["rows"] if r["scenario"] == name]
-    assert row["ext"] == "pass" and row["verified"] is True
     if releases.current_policy().version == "0.5.23":
         assert row["digests"].get("ok", 0) >= 1 and not row["digests"].get("mismatch"), row
     else:
