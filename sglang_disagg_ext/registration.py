@@ -212,8 +212,15 @@ def activate(ext_name: str) -> None:
         if policy.is_live("F10"):
             from sglang_disagg_ext.backends.metadata_gate import install_metadata_gate_deadline
 
-            install_metadata_gate_deadline()
-            routed.append("metadata gate deadline (F10)")
+            try:
+                install_metadata_gate_deadline()
+                routed.append("metadata gate deadline (F10)")
+            except ImportError as exc:
+                # The gate lives in a module this process cannot import (up to 0.5.12.x the
+                # decode module, with its scheduler imports): the -ext name still routes its
+                # classes; the deadline is named as missing rather than taking them down.
+                logger.warning("sglang-disagg-ext F10 not installed: %s", exc)
+                routed.append(f"no metadata gate deadline (F10: {exc})")
     _active_backend = ext_name
     line = f"{policy.summary_line()}; {ext_name} -> " + (
         ", ".join(routed) if routed else f"stock {base} classes (pass-through)")

@@ -11,7 +11,7 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
+0.5.10.post1     live  live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
 0.5.11           up    live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
 0.5.12(.post1)   up    up    live  live  live  live    live  live  live    live    n/a     uncov.  per-component
 0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     uncov.  per-component
@@ -56,7 +56,11 @@ message, on the bootstrap thread); F10: from 0.5.13 the gate is
 0.5.23; before, the same test sits in ``DecodeTransferQueue._commit_transfer_to_req``
 after the TP all-reduce (a per-rank deadline there would desynchronise the ranks),
 so the plugin installs 0.5.13's gate, with the deadline, before the all-reduce
-(``backends/metadata_gate``; the opt-in staging path is not gated there).
+(``backends/metadata_gate``; the opt-in staging path is not gated there). Not on
+0.5.10.post1: its decode module imports ``sgl_kernel`` (decode.py:54 ->
+managers/schedule_batch.py:71 -> mem_cache/radix_cache.py:65 -> hicache_storage.py:12
+-> memory_pool_host.py:47), which a CPU machine does not have, so the fix cannot be
+proven here: uncovered there (0.5.11 and 0.5.12.x import it without).
 F11 (NIXL nixl/conn.py and common/conn.py of every wheel read): the head-sliced
 SWA state path (``_send_swa_state_slice``, common ``_get_mha_head_slice_blocks``
 raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
@@ -284,7 +288,7 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, False),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
     "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
     "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
     "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),

@@ -141,8 +141,9 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         ``transfer_infos[room]`` holds every decode rank's session. Stock
         returns early for a Failed room and queues the chunk for a transfer
         thread otherwise. A room with a refused session is concluded Failed
-        here (stock's ``conclude_failure``: reason recorded, status set, every
-        non-dummy decode rank told) and nothing is queued; later chunks of it
+        here (``conclude_room_failed``: stock's ``conclude_failure`` where the
+        release has it, its three steps by hand before: reason recorded, status
+        set, every non-dummy decode rank told) and nothing is queued; later chunks of it
         go to stock, which drops them. Must not raise: the scheduler thread
         would die.
         """
