@@ -29,7 +29,7 @@ PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
 .PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix
 
-$(VENV)/.sglang-release: scripts/setup_venv.sh requirements/*.txt pyproject.toml
+$(VENV)/.sglang-release: scripts/setup_venv.sh scripts/cpu_stubs/*.py scripts/cpu_stubs/*/*.py requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
 
 setup: $(VENV)/.sglang-release

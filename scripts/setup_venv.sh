@@ -47,10 +47,16 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache
 "${pip[@]}" --no-deps -r "$req/no-deps.txt"
 "${pip[@]}" --no-deps -e "$root"
 
-# Import-only torchvision stand-in (see its docstring); test environments only.
+# Import-only stand-ins for GPU packages (see their docstrings); test
+# environments only. sgl_kernel only where SGLang's decode module needs it.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-rm -rf "$site/torchvision"
-cp -r "$root/scripts/cpu_stubs/torchvision" "$site/torchvision"
+stubs=(torchvision)
+case "$release" in 0.5.10.post1) stubs+=(sgl_kernel) ;; esac
+cp "$root/scripts/cpu_stubs/import_only_stub.py" "$site/import_only_stub.py"
+for stub in "${stubs[@]}"; do
+  rm -rf "${site:?}/$stub"
+  cp -r "$root/scripts/cpu_stubs/$stub" "$site/$stub"
+done
 
 # No CUDA wheels on a CPU machine. (No pipe into grep -q: with pipefail,
 # SIGPIPE can turn a match into a failure.)

@@ -11,7 +11,7 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  live    uncov.  n/a     uncov.  flat
+0.5.10.post1     live  live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
 0.5.11           up    live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
 0.5.12(.post1)   up    up    live  live  live  live    live  live  live    live    n/a     uncov.  per-component
 0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     uncov.  per-component
@@ -56,11 +56,12 @@ message, on the bootstrap thread); F10: from 0.5.13 the gate is
 0.5.23; before, the same test sits in ``DecodeTransferQueue._commit_transfer_to_req``
 after the TP all-reduce (a per-rank deadline there would desynchronise the ranks),
 so the plugin installs 0.5.13's gate, with the deadline, before the all-reduce
-(``backends/metadata_gate``; the opt-in staging path is not gated there). Not on
-0.5.10.post1: its decode module imports ``sgl_kernel`` (decode.py:54 ->
+(``backends/metadata_gate``; the opt-in staging path is not gated there). On
+0.5.10.post1 the decode module imports ``sgl_kernel`` (decode.py:54 ->
 managers/schedule_batch.py:71 -> mem_cache/radix_cache.py:65 -> hicache_storage.py:12
--> memory_pool_host.py:47), which a CPU machine does not have, so the fix cannot be
-proven here: uncovered there (0.5.11 and 0.5.12.x import it without).
+-> memory_pool_host.py:47), present wherever SGLang serves on a GPU; the CPU test
+environments of that release carry an import-only stand-in for it
+(``scripts/cpu_stubs/sgl_kernel``).
 F11 (NIXL nixl/conn.py and common/conn.py of every wheel read): the head-sliced
 SWA state path (``_send_swa_state_slice``, common ``_get_mha_head_slice_blocks``
 raising "Head-sliced PD transfer page count mismatch") and the bare asserts of
@@ -151,7 +152,9 @@ FIX_TITLES = {
     "a row whose length does not match fails the room with a reason instead of being dropped; a status message "
     "whose handling raises fails its room on decode at once",
     "F13": "NIXL across attention TP sizes: SWA state sent as head slices (F4's layout) where stock refuses "
-    "every request of a hybrid SWA model; up to 0.5.16 also the KV heads of a decode that replicates them",
+    "every request of a hybrid SWA model; up to 0.5.16 also the KV heads of a decode that replicates them; "
+    "layouts that cannot be sliced and registrations that raise refused at registration; up to 0.5.19 decode "
+    "told at once of a room prefill fails",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -288,7 +291,7 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _X, "F11": _N, "F12": _X, "F13": _N}, False),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, False),
     "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
     "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
     "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),

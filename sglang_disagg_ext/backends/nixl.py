@@ -94,6 +94,7 @@ from sglang_disagg_ext.core.head_slice import (
     HeadLayout,
     HeadLayoutError,
     head_bytes_from_item_len,
+    head_layout_for,
     head_slice_rows,
     resolve_total_kv_heads,
     transfer_requests,
@@ -537,13 +538,7 @@ class NixlExtKVManager(NixlKVManager):
                     getattr(self.kv_args, "kv_head_num", 0) or 0,
                     prefill_tp,
                 )
-            try:
-                layout = HeadLayout(prefill_tp, decode_tp, heads)
-            except HeadLayoutError as exc:
-                raise HeadLayoutError(
-                    f"nixl-ext: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
-                    f"{decode_tp}: {exc}"
-                ) from None
+            layout = head_layout_for(prefill_tp, decode_tp, heads, "nixl-ext")
             self._ext_layouts[key] = layout
         return layout
 

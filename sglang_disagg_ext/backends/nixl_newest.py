@@ -26,7 +26,7 @@ nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
   A refused decode's rooms end Failed at once on both sides (SGLang's own
   status message tells decode). Both, the refusal and the survival, are
   :class:`.nixl_registration.RegistrationRefusalMixin`, which F13's class on
-  0.5.13-0.5.21 shares; this class adds the head-layout check (``_check_pair``).
+  0.5.13-0.5.21 shares, with the head-layout check (``_check_pair``).
 * **Decode listener survival** (decode): stock's ``decode_listener_thread``
   (nixl/conn.py:1017-1043) has no handler, and on 0.5.23 it is the only way a
   NIXL decode learns a room's Success or Failed (the ``KV_STATUS`` message;
@@ -61,7 +61,6 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang_disagg_ext import activation_log, metrics
 from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.shared import report_trim
-from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
 from sglang_disagg_ext.core.thread_survival import failure_reason
 
@@ -81,41 +80,6 @@ class NixlNewestKVManager(RegistrationRefusalMixin, NixlKVManager):
         """
         super().__init__(*args, **kwargs)
         activation_log.announce(type(self).__name__)
-
-    # -- registration (bootstrap thread; RegistrationRefusalMixin calls it) ----------------
-    def _check_pair(self, info) -> None:
-        """Raise HeadLayoutError where stock would slice heads it cannot slice."""
-        decode_tp = int(info.decode_tp_size)
-        if (
-            self.is_mla_backend
-            or getattr(self, "is_hybrid_mla_backend", False)
-            or decode_tp == self.attn_tp_size
-            or self.requires_dcp_relayout(info.dst_dcp_size, info.dst_dcp_rank)
-        ):
-            return  # stock sends whole pages here: no head slice
-        kv_args = self.kv_args
-        heads = resolve_total_kv_heads(
-            getattr(kv_args, "total_kv_head_num", None), kv_args.kv_head_num, self.attn_tp_size
-        )
-        page = kv_args.page_size
-        # Stock slices every KV region with the first item length (nixl/conn.py:1305-1312).
-        check_head_sliced_pair(
-            "KV", self.attn_tp_size, decode_tp, heads, page, [(kv_args.kv_item_lens[0], info.dst_kv_item_len)]
-        )
-        dst_state_lens = getattr(info, "dst_state_item_lens", None) or []
-        for i, st in enumerate(getattr(kv_args, "state_types", None) or []):
-            if state_kind_name(st) != "swa" or i >= len(kv_args.state_item_lens):
-                continue
-            # SWA state is sliced with the model's KV head count (common/conn.py:1809-1832).
-            src = list(kv_args.state_item_lens[i] or [])
-            dst = list(dst_state_lens[i] or []) if i < len(dst_state_lens) else []
-            if len(src) != len(dst):
-                raise HeadLayoutError(
-                    f"SWA state (component {i}) cannot be head-sliced from prefill TP {self.attn_tp_size} "
-                    f"to decode TP {decode_tp}: prefill has {len(src)} buffers, decode {len(dst)}"
-                )
-            check_head_sliced_pair(f"SWA state (component {i})", self.attn_tp_size, decode_tp, heads, page,
-                                   list(zip(src, dst)))
 
     # -- decode listener (decode) ----------------------------------------------------------------
     def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,

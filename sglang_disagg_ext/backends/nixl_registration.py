@@ -12,8 +12,9 @@ read, and every room waits out SGLang's timeouts.
 
 Here, on prefill:
 
-* ``_add_remote_peer`` runs the class's pair check (:meth:`_check_pair`: F11
-  checks head-sliced layouts; none by default) and then stock's registration.
+* ``_add_remote_peer`` runs the pair check (:meth:`_check_pair`: can every
+  head-sliced buffer, KV and SWA state, be cut for this decode's TP size?) and
+  then stock's registration.
   A check that refuses, or any exception stock raises, refuses that decode
   rank with one error naming it and the reason (an exception is logged with
   its traceback and counted in
@@ -24,9 +25,22 @@ Here, on prefill:
   concluded Failed instead, and a room that became ready before prefill
   created it is failed when the scheduler sends its first chunk
   (``add_transfer_request``). Decode is told through SGLang's own status
-  message where the release has one (``conclude_failure``, 0.5.20+); up to
-  0.5.19 no NIXL message tells decode of a failure, so it ends such a room by
-  its waiting timeout, as for any prefill-side failure there.
+  message where the release has one (``conclude_failure``, 0.5.20+).
+* Up to 0.5.19 no NIXL message tells decode of a failure (decode learns only
+  Success, from NIXL notifications; any prefill-side failure there, a refused
+  decode's room or a transfer worker's exception alike, is ended on decode by
+  its waiting timeout, 300 s by default). Here prefill sends one
+  ``SGLANG_DISAGG_EXT_FAILED`` message (room, reason) to each decode rank of a
+  room it fails (``update_status(Failed)``, with the reason stock or this
+  class recorded), on its own PUSH socket to the endpoint that rank gave in its
+  room message (decode's manager socket, which stock uses there only for
+  staging requests and abort acks), without blocking. An ``-ext`` decode reads
+  it off that socket before stock's reader sees it (or reads the socket
+  itself where stock starts no reader: 0.5.13-0.5.18 without the staging
+  buffer, 0.5.19 without staging or deferred release) and ends the room Failed
+  with prefill's reason. A stock decode logs one "unexpected message tag"
+  warning where it reads that socket, and otherwise waits out its timeout as
+  before.
 """
 
 from __future__ import annotations
@@ -35,14 +49,21 @@ import logging
 import threading
 from typing import Dict, Optional, Tuple
 
+import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress
 
 from sglang_disagg_ext import metrics, releases
-from sglang_disagg_ext.core.head_slice import HeadLayoutError
+from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
+from sglang_disagg_ext.core.state_plan import state_kind_name
+from sglang_disagg_ext.backends.shared import FilteringSocket
 from sglang_disagg_ext.core.thread_survival import root_cause
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
+
+# Prefill -> decode, up to 0.5.19: [FAILED_TAG, room (ascii), reason (utf-8)].
+FAILED_TAG = b"SGLANG_DISAGG_EXT_FAILED"
 
 
 class RegistrationRefusalMixin:
@@ -60,7 +81,17 @@ class RegistrationRefusalMixin:
         self._refused_lock = threading.Lock()
         # decode agent name -> (its TP rank, why it cannot be served), refused at registration
         self._refused: Dict[str, Tuple[int, str]] = {}
+        # Up to 0.5.19 (no conclude_failure): prefill's sockets to decode endpoints, used under
+        # the lock (the bootstrap thread and the scheduler may both fail rooms).
+        self._tell_lock = threading.Lock()
+        self._tell_sockets: Dict[str, zmq.Socket] = {}
+        # decode: whether stock started a reader of the manager socket (then it reads through ours).
+        self._stock_reads_server_socket = False
         super().__init__(*args, **kwargs)
+        if self._decode_reads_failures():
+            self._wrap_server_socket()
+            if not self._stock_reads_server_socket:
+                threading.Thread(target=self._failure_reader, name="nixl-ext-failure-reader", daemon=True).start()
 
     # -- registration (bootstrap thread) -------------------------------------------------
     def _add_remote_peer(self, decode_kv_args):
@@ -93,7 +124,50 @@ class RegistrationRefusalMixin:
             return None
 
     def _check_pair(self, info) -> None:
-        """Raise HeadLayoutError for a decode this prefill cannot serve (default: none)."""
+        """Raise HeadLayoutError where a head-sliced transfer to this decode cannot be cut.
+
+        Runs on the bootstrap thread for a new decode rank's registration, before
+        stock's. Heads are sliced only for a non-MLA model whose attention TP sizes
+        differ (and, where the release has decode context parallelism, no relayout
+        is asked for): then KV (stock slices every KV region with the first item
+        length: 0.5.16 nixl/conn.py:744-755, 0.5.23 :1305-1312) and every SWA state
+        component (sliced with the model's KV head count: F13's class on
+        0.5.13-0.5.21, common/conn.py:1809-1832 on 0.5.22+) must hold whole heads of
+        one size on both sides. A decode that published no state item lengths is
+        checked on KV only (its state has nothing to compare against here).
+        """
+        decode_tp = int(info.decode_tp_size)
+        relayout = getattr(self, "requires_dcp_relayout", None)  # 0.5.22+
+        if (
+            self.is_mla_backend
+            or getattr(self, "is_hybrid_mla_backend", False)
+            or decode_tp == self.attn_tp_size
+            or (relayout is not None and relayout(info.dst_dcp_size, info.dst_dcp_rank))
+        ):
+            return  # whole pages are sent: no head slice
+        kv_args = self.kv_args
+        heads = resolve_total_kv_heads(
+            getattr(kv_args, "total_kv_head_num", None), kv_args.kv_head_num, self.attn_tp_size
+        )
+        page = kv_args.page_size
+        check_head_sliced_pair(
+            "KV", self.attn_tp_size, decode_tp, heads, page, [(kv_args.kv_item_lens[0], info.dst_kv_item_len)]
+        )
+        dst_state_lens = getattr(info, "dst_state_item_lens", None) or []
+        if not dst_state_lens:
+            return
+        for i, st in enumerate(getattr(kv_args, "state_types", None) or []):
+            if state_kind_name(st) != "swa" or i >= len(kv_args.state_item_lens):
+                continue
+            src = list(kv_args.state_item_lens[i] or [])
+            dst = list(dst_state_lens[i] or []) if i < len(dst_state_lens) else []
+            if len(src) != len(dst):
+                raise HeadLayoutError(
+                    f"SWA state (component {i}) cannot be head-sliced from prefill TP {self.attn_tp_size} "
+                    f"to decode TP {decode_tp}: prefill has {len(src)} buffers, decode {len(dst)}"
+                )
+            check_head_sliced_pair(f"SWA state (component {i})", self.attn_tp_size, decode_tp, heads, page,
+                                   list(zip(src, dst)))
 
     def _registration_raised(self, name: str, rank, exc: BaseException) -> None:
         root = root_cause(exc)
@@ -128,20 +202,110 @@ class RegistrationRefusalMixin:
             # sends Failed with the reason to every decode rank of the room.
             self.conclude_failure(bootstrap_room=room, failure_reason=reason)
             return
-        # Up to 0.5.19: what a failure on prefill does there (no message reaches decode).
+        # Up to 0.5.19: what a failure on prefill does there; update_status then tells decode.
         self.record_failure(room, reason)
-        super().update_status(room, KVPoll.Failed)
+        self.update_status(room, KVPoll.Failed)
+
+    # -- telling decode of a refused room, up to 0.5.19 ----------------------------------
+    def _tell_decode_failed(self, room: int, reason: str) -> None:
+        """Send (room, reason) to every decode rank of the room; never raises, never blocks."""
+        frames = [FAILED_TAG, str(room).encode("ascii"), reason.encode("utf-8")]
+        for info in list((self.transfer_infos.get(room) or {}).values()):
+            try:
+                address = NetworkAddress(info.endpoint, int(info.dst_port))
+                with self._tell_lock:
+                    sock = self._tell_sockets.get(address.to_tcp())
+                    if sock is None:
+                        sock = zmq.Context.instance().socket(zmq.PUSH)  # 0.5.13's manager keeps no context
+                        sock.setsockopt(zmq.LINGER, 0)
+                        if address.is_ipv6:
+                            sock.setsockopt(zmq.IPV6, 1)
+                        sock.connect(address.to_tcp())
+                        self._tell_sockets[address.to_tcp()] = sock
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("nixl-ext: decode %s:%s does not take the failure of room %s now; it ends the "
+                               "room by its waiting timeout", info.endpoint, info.dst_port, room)
+            except Exception:  # noqa: BLE001 - telling decode is best effort; never end the caller's thread
+                logger.exception("nixl-ext: could not tell decode %s:%s of the failure of room %s",
+                                 getattr(info, "endpoint", "?"), getattr(info, "dst_port", "?"), room)
+
+    def _prefill_tells_decode(self) -> bool:
+        return (self.disaggregation_mode == DisaggregationMode.PREFILL
+                and not releases.features().nixl_conclude_failure)
+
+    def _decode_reads_failures(self) -> bool:
+        return (self.disaggregation_mode == DisaggregationMode.DECODE
+                and not releases.features().nixl_conclude_failure)
+
+    def _wrap_server_socket(self) -> None:
+        if not isinstance(self.server_socket, FilteringSocket):
+            self.server_socket = FilteringSocket(self.server_socket, self._on_decode_message, logger)
+
+    def _on_decode_message(self, msg):
+        if not msg or msg[0] != FAILED_TAG:
+            return None
+        room, reason = int(msg[1].decode("ascii")), msg[2].decode("utf-8", "replace")
+        # Only a room this decode still holds; Failed is sticky, Success is final.
+        if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+            logger.error("nixl-ext: prefill failed room %s: %s", room, reason)
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+        return FilteringSocket.CONSUMED
+
+    def _failure_reader(self) -> None:
+        """Decode's reader of the manager socket where stock starts none (up to 0.5.19)."""
+        while True:
+            try:
+                msg = self.server_socket.recv_multipart()
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # noqa: BLE001 - keep reading; one bad message must not end the thread
+                logger.exception("nixl-ext: decode failure reader")
+                continue
+            logger.warning("nixl-ext: decode manager socket: unexpected message tag %s", msg[0][:20] if msg else b"")
+
+    def _start_decode_staging_thread(self, *args, **kwargs):
+        """Stock's reader of decode's manager socket (0.5.13-0.5.18), reading through ours.
+
+        Contract: decode only, called once from stock's constructor when the staging
+        buffer is on; the thread it starts reads ``self.server_socket`` in a loop.
+        Wrapping it first lets prefill's failure messages be taken off before stock
+        sees them, with one reader of the socket (ZMQ sockets are single-threaded).
+        """
+        if self._decode_reads_failures():
+            self._wrap_server_socket()
+            self._stock_reads_server_socket = True
+        return super()._start_decode_staging_thread(*args, **kwargs)
+
+    def _start_decode_listener_thread(self, *args, **kwargs):
+        """Stock's reader of decode's manager socket (0.5.19+), reading through ours up to 0.5.19.
+
+        Contract: decode only, called once from stock's constructor (0.5.19: with the
+        staging buffer or deferred release, nixl/conn.py:520-521; from 0.5.20 this class
+        changes nothing here: ``conclude_failure`` tells decode). See
+        :meth:`_start_decode_staging_thread`.
+        """
+        if self._decode_reads_failures():
+            self._wrap_server_socket()
+            self._stock_reads_server_socket = True
+        return super()._start_decode_listener_thread(*args, **kwargs)
 
     # -- rooms ---------------------------------------------------------------------------
     def update_status(self, bootstrap_room: int, status: KVPoll):
-        """Stock, except that a ready room of a refused decode concludes Failed instead.
+        """Stock, except that a ready room of a refused decode concludes Failed instead,
+        and, up to 0.5.19, a room prefill fails is reported to its decode ranks.
 
         Contract: called from every thread of the manager (scheduler: sender
         init/abort; bootstrap thread: a room's decode infos are complete ->
-        ``WaitingForInput``; transfer workers: progress and conclusions). Only
-        that bootstrap-thread case is changed, and only for a room already
-        created by its sender (stock refuses to resurrect a room it has not
-        seen); it must not raise or block.
+        ``WaitingForInput``; transfer workers: progress and conclusions, a
+        failure after ``record_failure`` with its reason). Changed: that
+        bootstrap-thread case, only for a room already created by its sender
+        (stock refuses to resurrect a room it has not seen); and on prefill up to
+        0.5.19 the first Failed of a room, which is then sent to decode with the
+        recorded reason (stock's only Failed path there that decode never hears
+        of: a transfer worker's exception, a refusal, an abort). It must not
+        raise or block.
         """
         if (
             status == KVPoll.WaitingForInput
@@ -153,6 +317,14 @@ class RegistrationRefusalMixin:
             if reason is not None:
                 self._fail_room(bootstrap_room, reason)
                 return None
+        if status == KVPoll.Failed and self._prefill_tells_decode() and self.request_status.get(
+            bootstrap_room
+        ) not in (None, KVPoll.Failed):
+            out = super().update_status(bootstrap_room, status)
+            with self.failure_lock:
+                reason = self.failure_records.get(bootstrap_room)
+            self._tell_decode_failed(bootstrap_room, reason or "prefill failed the transfer (no reason recorded)")
+            return out
         return super().update_status(bootstrap_room, status)
 
     def add_transfer_request(self, bootstrap_room: int, *args, **kwargs):

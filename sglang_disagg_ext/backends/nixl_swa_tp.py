@@ -37,8 +37,12 @@ head math.
 
 A layout the head math cannot serve (heads that do not split over a TP size,
 an SWA pool whose head bytes differ between the sides, different layer-buffer
-counts) raises ``HeadLayoutError`` naming the component and the sizes; stock's
-transfer worker then fails that room as it does for its own refusal.
+counts) is refused at registration, before any request to that decode rank
+is accepted (:meth:`.nixl_registration.RegistrationRefusalMixin._check_pair`,
+shared with F11), with one error naming the component, both TP sizes and the
+sizes that differ; stock instead fails each request at transfer time, after
+its KV pages went out. The per-chunk path still raises ``HeadLayoutError``
+(the transfer worker then fails the room) should a layout reach it anyway.
 
 Prefill's bootstrap thread survives a registration that raises
 (:class:`.nixl_registration.RegistrationRefusalMixin`, shared with F11's class):
@@ -61,7 +65,14 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 from sglang_disagg_ext import activation_log, releases
 from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.shared import report_trim
-from sglang_disagg_ext.core.head_slice import HeadLayout, HeadLayoutError, head_slice_rows, resolve_total_kv_heads, transfer_requests
+from sglang_disagg_ext.core.head_slice import (
+    HeadLayout,
+    HeadLayoutError,
+    head_layout_for,
+    head_slice_rows,
+    resolve_total_kv_heads,
+    transfer_requests,
+)
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
@@ -193,14 +204,8 @@ class NixlSwaTpKVManager(RegistrationRefusalMixin, NixlKVManager):
     def _f13_layout(self, what: str, decode_tp_size: int) -> HeadLayout:
         layout = self._f13_layouts.get(decode_tp_size)
         if layout is None:
-            prefill_tp, heads = int(self.attn_tp_size), self._f13_total_kv_heads
-            try:
-                layout = HeadLayout(prefill_tp, decode_tp_size, heads)
-            except HeadLayoutError as exc:
-                raise HeadLayoutError(
-                    f"nixl-ext: {what}: {heads} KV heads from prefill TP size {prefill_tp} to decode TP size "
-                    f"{decode_tp_size}: {exc}"
-                ) from None
+            layout = head_layout_for(int(self.attn_tp_size), decode_tp_size, self._f13_total_kv_heads,
+                                     f"nixl-ext: {what}")
             self._f13_layouts[decode_tp_size] = layout
         return layout
 

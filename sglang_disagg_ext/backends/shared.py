@@ -118,11 +118,14 @@ class FilteringSocket:
     """A manager's ZMQ socket whose received messages pass through ``on_message`` first.
 
     ``on_message(msg)`` returns the message stock's loop then reads: ``None`` for
-    ``msg`` unchanged, or a copy without a frame this plugin added. Anything it
-    raises is logged and the message handed on unchanged: the stock loop reading
-    the socket (a bootstrap or decode thread) must never end on it. Every other
-    attribute is the socket's own.
+    ``msg`` unchanged, a copy without a frame this plugin added, or
+    :data:`CONSUMED` for a message of the plugin's own that stock never sees (the
+    next message is read instead). Anything it raises is logged and the message
+    handed on unchanged: the stock loop reading the socket (a bootstrap or decode
+    thread) must never end on it. Every other attribute is the socket's own.
     """
+
+    CONSUMED = object()
 
     def __init__(self, sock, on_message: Callable, logger: logging.Logger):
         self._sock = sock
@@ -130,14 +133,16 @@ class FilteringSocket:
         self._logger = logger
 
     def recv_multipart(self, *args, **kwargs):
-        msg = self._sock.recv_multipart(*args, **kwargs)
-        try:
-            out = self._on_message(msg)
-        except Exception:  # noqa: BLE001 - never end the thread reading this socket
-            self._logger.exception("could not read the plugin's frames of a %d-frame message; handed on as sent",
-                                   len(msg))
-            return msg
-        return msg if out is None else out
+        while True:
+            msg = self._sock.recv_multipart(*args, **kwargs)
+            try:
+                out = self._on_message(msg)
+            except Exception:  # noqa: BLE001 - never end the thread reading this socket
+                self._logger.exception("could not read the plugin's frames of a %d-frame message; handed on as sent",
+                                       len(msg))
+                return msg
+            if out is not self.CONSUMED:
+                return msg if out is None else out
 
     def __getattr__(self, name):
         return getattr(self._sock, name)

@@ -217,6 +217,21 @@ class HeadLayout:
         )
 
 
+def head_layout_for(prefill_tp_size: int, decode_tp_size: int, total_kv_heads: int, context: str) -> HeadLayout:
+    """:class:`HeadLayout`, whose error starts with ``context`` and names the heads and both TP sizes.
+
+    ``context`` says who asks and for what ("nixl-ext", "nixl-ext: SWA state
+    (component 0)"), so an operator reading the error knows where it came from.
+    """
+    try:
+        return HeadLayout(prefill_tp_size, decode_tp_size, total_kv_heads)
+    except HeadLayoutError as exc:
+        raise HeadLayoutError(
+            f"{context}: {total_kv_heads} KV heads from prefill TP size {prefill_tp_size} to decode TP size "
+            f"{decode_tp_size}: {exc}"
+        ) from None
+
+
 IntArrayLike = Union[Sequence[int], np.ndarray]
 
 

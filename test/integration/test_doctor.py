@@ -16,14 +16,14 @@ import pytest
 # 0.5.12.post1 :1323-1324, 0.5.23 :2742-2745).
 # F9 (metadata buffers paired by position, addressed with prefill's row sizes: send_aux in every
 # wheel) and F10 (decode's metadata gate without a deadline: utils._apply_metadata_gate from 0.5.13,
-# DecodeTransferQueue._commit_transfer_to_req before) are live and covered on every release, but F10 on
-# 0.5.10.post1 (its decode module imports sgl_kernel, absent here: "live, not covered").
+# DecodeTransferQueue._commit_transfer_to_req before) are live and covered on every release (F10 on
+# 0.5.10.post1 with the import-only sgl_kernel stand-in its decode module needs on a CPU machine).
 # 0.5.13-0.5.21 (the release sweep runs this file there): the Mooncake fixes F6-F10, and
 # F12 on 0.5.20/0.5.21. F13 (NIXL SWA state across TP sizes) on 0.5.13-0.5.21.
 # F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.22
 # (not in the CI matrix; the release sweep runs this file there) and 0.5.23.
 TRUTH = {
-    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9"}, False),
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, False),
     "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
     **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F13"}, True) for r in (

@@ -151,6 +151,37 @@ def test_ext_sends_swa_state_as_head_slices(p, d):
     assert r.thread_errors == [], result.describe()
 
 
+@pytest.mark.timeout(RUN_BOUND_S)
+def test_swa_pool_that_cannot_be_sliced_is_refused_at_registration():
+    """An SWA pool with one head under a two-head model, prefill TP 2 -> decode TP 1
+    (``scenarios.nixl_newest.swa_heads``: 16 bytes per head per token on prefill, 8 on decode).
+    Stock: each prefill rank fails the request with its per-request refusal, at transfer time.
+    -ext: the decode rank is refused at registration, before any request is accepted, with one
+    reason naming the SWA component, both TP sizes and the head bytes that differ (written out
+    by hand in the scenario module); prefill's rooms Failed at once, decode told at once (up to
+    0.5.19 by the plugin's own failure message); nothing written to decode (every
+    targeted KV and SWA element still its sentinel, no other page touched); no thread error."""
+    env = {nixl_shim.ENV: "1"}
+    stock = run_scenario(N.swa_heads(), "nixl", extra_env=env)
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
+    (r,) = stock.requests
+    assert r.rank_status == {n: "Failed" for n in ranks(2, 1)}, stock.describe()
+    assert r.prefill_failure_reason == per_rank(["prefill0", "prefill1"], REFUSAL), stock.describe()
+
+    ext = run_scenario(N.swa_heads(), "nixl-ext", extra_env=env)
+    assert ext.prefill_manager == EXT_MANAGER, ext.describe()
+    (r,) = ext.requests
+    assert r.rank_status == {n: "Failed" for n in ranks(2, 1)}, ext.describe()
+    assert r.prefill_failure_reason == per_rank(["prefill0", "prefill1"], N.SWA_HEADS_REASON), ext.describe()
+    assert r.decode_failure_reason == per_rank(["decode0"], N.SWA_HEADS_REASON), ext.describe()
+    assert r.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
+    listed = [m for m in r.mismatches if "more mismatching elements not listed" not in m]
+    assert any("state0:swa" not in m for m in listed) and all("found the sentinel" in m for m in listed), (
+        ext.describe())
+    assert not any("must be untouched" in m for m in r.mismatches), ext.describe()
+    assert r.thread_errors == [], ext.describe()
+
+
 FAULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "prefill_faults.py")
 
 
@@ -171,8 +202,8 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
     rank 0 is refused with the exception as the reason, counted as one bootstrap-thread
     recovery; both rooms Failed on prefill at once, which needs the thread alive after the
     fault (decode rank 1's registration and both rooms' messages come after it); decode is told
-    at once from 0.5.20 (``conclude_failure``), up to 0.5.19 it ends them by its waiting
-    timeout (no NIXL message there tells decode of a failure); nothing written to decode."""
+    at once (``conclude_failure`` from 0.5.20; up to 0.5.19, where no NIXL message tells decode of
+    a failure, the plugin's own failure message); nothing written to decode."""
     env = {nixl_shim.ENV: "1", "SGLANG_HARNESS_PREFILL_HOOK": f"{FAULTS}:{N.PREFILL_HOOK}"}
     stock = run_scenario(N.registration_fault(), "nixl", extra_env=env)
     assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
@@ -188,19 +219,46 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
 
     ext = run_scenario(N.registration_fault(), "nixl-ext", extra_env=env)
     assert ext.prefill_manager == EXT_MANAGER, ext.describe()
-    told = releases.features().nixl_conclude_failure
     for r in ext.requests:
         assert r.rank_status == {n: "Failed" for n in ranks(1, 2)}, ext.describe()
         assert r.prefill_failure_reason == per_rank(["prefill0"], N.REGISTRATION_FAULT_REASON), ext.describe()
         # (prefill's reason is the refusal, not SGLang's bootstrap timeout: refused, not waited out)
-        if told:
-            assert r.decode_failure_reason == per_rank(["decode0", "decode1"], N.REGISTRATION_FAULT_REASON), (
-                ext.describe())
-            assert r.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
-        else:
-            assert _timed_out(r.decode_failure_reason, "WaitingForInput"), ext.describe()
+        assert r.decode_failure_reason == per_rank(["decode0", "decode1"], N.REGISTRATION_FAULT_REASON), (
+            ext.describe())
+        assert r.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
         listed = [m for m in r.mismatches if "more mismatching elements not listed" not in m]
         assert listed and all("found the sentinel" in m for m in listed), ext.describe()
     assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
     metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
     assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(releases.features().nixl_conclude_failure,
+                    reason="n/a: from 0.5.20 stock NIXL tells decode of a prefill-side failure (conclude_failure)")
+def test_prefill_side_failure_reaches_decode_at_once():
+    """TP 1 -> 1, two rooms; prefill's transfer worker raises once in room 1000's ``send_aux``
+    (after its KV pages were posted; hook ``raise_in_nixl_send_aux`` of ``test/support``).
+    Stock up to 0.5.19: prefill fails room 1000 with the exception, but no NIXL message tells
+    decode, which ends it only by its waiting timeout. -ext: decode ends room 1000 Failed at once
+    with prefill's reason (the plugin's failure message), writes nothing outside its pages, and
+    room 1001 is Success with every byte checked."""
+    env = {nixl_shim.ENV: "1", "SGLANG_HARNESS_PREFILL_HOOK": f"{FAULTS}:{N.FAILED_ROOM_PREFILL_HOOK}"}
+    stock = run_scenario(N.listener_fault(), "nixl", extra_env=env)
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
+    bad, good = stock.requests
+    assert (bad.prefill_status, bad.decode_status) == ("Failed", "Failed"), stock.describe()
+    assert bad.prefill_failure_reason == N.SEND_AUX_FAULT, stock.describe()
+    assert _timed_out(bad.decode_failure_reason, "WaitingForInput"), stock.describe()
+    assert good.ok and good.bytes_verified, stock.describe()
+
+    ext = run_scenario(N.listener_fault(), "nixl-ext", extra_env=env)
+    assert ext.prefill_manager == EXT_MANAGER, ext.describe()
+    bad, good = ext.requests
+    assert (bad.prefill_status, bad.decode_status) == ("Failed", "Failed"), ext.describe()
+    assert bad.prefill_failure_reason == N.SEND_AUX_FAULT, ext.describe()
+    assert bad.decode_failure_reason == N.SEND_AUX_FAULT, ext.describe()
+    assert bad.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
+    assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
+    assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
+    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()

@@ -61,3 +61,16 @@ def test_item_len_not_whole_heads_is_refused_naming_side_and_buffer():
 def test_tp_sizes_that_do_not_divide_are_refused():
     with pytest.raises(HeadLayoutError, match=r"prefill TP 2 to decode TP 3 .*neither divides the other"):
         check_head_sliced_pair("KV", 2, 3, 6, PAGE, [])
+
+
+def test_head_layout_for_names_the_caller_heads_and_both_tp_sizes():
+    """3 KV heads cannot be split over decode TP 2: the error starts with the caller's context."""
+    from sglang_disagg_ext.core.head_slice import head_layout_for
+
+    with pytest.raises(HeadLayoutError) as err:
+        head_layout_for(1, 2, 3, "nixl-ext: SWA state (component 0)")
+    assert str(err.value).startswith(
+        "nixl-ext: SWA state (component 0): 3 KV heads from prefill TP size 1 to decode TP size 2: "
+    ), str(err.value)
+    layout = head_layout_for(2, 1, 2, "nixl-ext")
+    assert (layout.prefill_tp_size, layout.decode_tp_size, layout.total_kv_heads) == (2, 1, 2)

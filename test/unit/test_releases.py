@@ -25,7 +25,7 @@ X = FixStatus.UNCOVERED
 # utils._apply_metadata_gate exists from 0.5.13: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244;
 # before 0.5.13 the test sits in DecodeTransferQueue._commit_transfer_to_req after the TP
 # all-reduce, 0.5.12.post1 decode.py:1412-1415, and the plugin installs 0.5.13's gate before it;
-# uncovered on 0.5.10.post1, whose decode module imports sgl_kernel, absent on a CPU machine). F11 (NIXL's head-sliced SWA
+# on 0.5.10.post1 its decode module imports sgl_kernel, which the CPU test venv carries as a stand-in). F11 (NIXL's head-sliced SWA
 # path and the asserting hetero-TP prep on the bootstrap thread) read in every wheel: absent up
 # to 0.5.21 (n/a), present in 0.5.22 (nixl/conn.py:941, :2640; uncovered) and 0.5.23 (live).
 # F12 (MoRI metadata rows on another socket than the status, rows of the wrong length dropped)
@@ -35,7 +35,7 @@ X = FixStatus.UNCOVERED
 # :2674-2676); n/a up to 0.5.12.x (F4's classes slice it), live 0.5.13-0.5.21, upstream from 0.5.22
 # (_send_swa_state_slice, nixl/conn.py:2969 in 0.5.23).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, X, N, X, N)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, X, N)),
     ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, X, N)),
     ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, X, N)),
     ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, X, N)),

@@ -195,7 +195,8 @@ def req_retract_methods():
 
     Normally the methods of the imported ``Req`` class. Where ``schedule_batch``
     cannot be imported on a CPU machine (0.5.10.post1 imports ``sgl_kernel`` at
-    module level through ``memory_pool_host``), the two methods are compiled
+    module level through ``memory_pool_host``; this project's test environments
+    carry an import-only stand-in for it, a plain CPU install does not), the two methods are compiled
     from that release's ``schedule_batch.py`` source, unchanged: they use
     nothing but their arguments.
     """

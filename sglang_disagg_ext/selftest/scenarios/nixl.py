@@ -258,6 +258,7 @@ F13_TOPOLOGIES = ((2, 1), (1, 2), (1, 4))
 def f13_scenarios() -> List[NixlScenario]:
     """F13 (0.5.13-0.5.21): the ``kv+swa`` rows of :func:`builtin_scenarios`, stock's classes under both
     names but ``-ext``'s ``maybe_send_extra``, and up to 0.5.16 KV to a decode that replicates heads.
+    ``nixl_newest.nixl_scenarios`` adds F13's refusal and failure rows.
     The -ext runs get the host-memory shim as stock's do (``NixlSwaTpKVManager`` keeps stock's memory
     handling)."""
     out = [

@@ -196,6 +196,8 @@ LISTENER_FAULT_REASON = (
     "the room is failed, the thread keeps serving"
 )
 FAULT = "injected fault: registration of decode TP rank 0"
+# raise_in_nixl_send_aux's exception for room 1000's aux row; prefill records str(exception).
+SEND_AUX_FAULT = "injected fault: send_aux for aux row 1"
 REGISTRATION_FAULT_REASON = f"decode TP rank 0 refused: its registration raised InjectedFault: {FAULT}"
 
 
@@ -267,9 +269,31 @@ def _rows():
 SCENARIOS = _rows()
 
 
+def _f13_rows() -> list:
+    """F13's class shares F11's registration refusal and pair check (0.5.13-0.5.21): the same
+    refusals, and up to 0.5.19, where stock never tells decode of a prefill-side failure, one
+    that decode hears of at once."""
+    from sglang_disagg_ext import releases
+    from sglang_disagg_ext.selftest.scenarios.nixl import _always_fail
+
+    def row(name, build, passed, **kw):
+        return NixlScenario(name, build, passed, _always_fail, fix="F13", ext_shim=True, **kw)
+
+    out = [
+        row("swa heads differ tp2->tp1 refused at registration", swa_heads, refused_ok(SWA_HEADS_REASON)),
+        row("registration raises tp1->tp2", registration_fault, refused_ok(REGISTRATION_FAULT_REASON),
+            prefill_hook=PREFILL_HOOK),
+    ]
+    if not releases.features().nixl_conclude_failure:
+        out.append(row("prefill send_aux raises tp1->tp1, decode told", listener_fault,
+                       lambda r: r.first_room_failed_then_served("Failed", SEND_AUX_FAULT, FAILED_WITHIN_S),
+                       prefill_hook=FAILED_ROOM_PREFILL_HOOK))
+    return out
+
+
 def nixl_scenarios(policy) -> list:
     """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.22, 0.5.23), F13's
-    where that is (0.5.13-0.5.21), else F4's.
+    (with :func:`_f13_rows`) where that is (0.5.13-0.5.21), else F4's.
 
     The Success-message listener row runs only where that message is decode's one source of
     Success (0.5.23); on 0.5.22 decode concludes Success from NIXL notifications itself, so the
@@ -277,7 +301,7 @@ def nixl_scenarios(policy) -> list:
     if policy.is_live("F13"):
         from sglang_disagg_ext.selftest.scenarios.nixl import f13_scenarios
 
-        return f13_scenarios()
+        return f13_scenarios() + _f13_rows()
     if not policy.is_live("F11"):
         return builtin_scenarios()
     from sglang_disagg_ext import releases
