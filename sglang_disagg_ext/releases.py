@@ -11,10 +11,10 @@ Facts come from reading each release's wheel (``shared/notes/sglang-releases.md`
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
 release          F1    F2    F3    F4    F5    F6      F7    F8    F9      F10     F11     F12     state layout
 ==============  ====  ====  ====  ====  ====  ======  ====  ====  ======  ======  ======  ======  =============
-0.5.10.post1     live  live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
-0.5.11           up    live  n/a   live  live  live    live  live  live    live    n/a     uncov.  flat
-0.5.12(.post1)   up    up    live  live  live  live    live  live  live    live    n/a     uncov.  per-component
-0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     uncov.  per-component
+0.5.10.post1     live  live  n/a   live  live  live    live  live  live    live    n/a     live    flat
+0.5.11           up    live  n/a   live  live  live    live  live  live    live    n/a     live    flat
+0.5.12(.post1)   up    up    live  live  live  live    live  live  live    live    n/a     live    per-component
+0.5.13 …         up    up    up    up    up    live    live  live  live    live    n/a     live    per-component
   0.5.19 [1]
 0.5.20, 0.5.21   up    up    up    up    up    live    live  live  live    live    n/a     live    per-component
 0.5.22           up    up    up    up    up    live    live  live  live    live    live    live    per-component
@@ -90,7 +90,16 @@ registration has 13 frames after the guard, not 17 (probe
 ``mori_registration_frames``), proven by test_mori_newest.py on both wheels. Proven (stand-in engine) on 0.5.23 and on
 0.5.22, whose metadata path is 0.5.23's (send_aux_tcp :1556, _handle_aux_data :1932)
 but whose decode registration has no manager hook (probe mori_registration_hook):
-the receiver appends the row-size frame there.
+the receiver appends the row-size frame there. Up to 0.5.19 (probe
+``mori_sender_notifies_status``: the sender's poll sends the status through
+``notify_decode_status``, no ``conclude_failure``) the same class checks the rows
+on both sides and leaves stock's channel: there the status did not overtake a row
+(one socket from one thread from 0.5.12.post1; on 0.5.10.post1/0.5.11 not shown by
+the harness's delay hook, 5 of 5 rooms in order with 300 ms delays), and the decode
+worker handles statuses inline. Registration there: 11 frames after the guard on
+0.5.10.post1/0.5.11, 13 on 0.5.12.post1-0.5.21. On 0.5.12.x F3's classes are
+mori-ext's; they carry the same row checks (``backends/mori_aux_rows``) and their
+registration the same row-size frame. Live on every release.
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
 head replicas by modulo (nixl/conn.py:1002-1004), keys KV tags on the TP rank only
@@ -179,7 +188,7 @@ EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
     "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (F6-F10 active, F12 on 0.5.20-0.5.22, F11 on 0.5.22, F13 on 0.5.13-0.5.21; an unlisted .postN of "
+    "0.5.13 through 0.5.22 (F6-F10 and F12 active, F11 on 0.5.22, F13 on 0.5.13-0.5.21; an unlisted .postN of "
     "0.5.13-0.5.23 passes through to the stock classes)"
 )
 
@@ -291,19 +300,19 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _N}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _X, "F13": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
     "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
     "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
     "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
@@ -597,11 +606,23 @@ class SGLangFeatures:
         return hasattr(MoriKVManager, "build_receiver_registration_message")
 
     @functools.cached_property
+    def mori_sender_notifies_status(self) -> bool:
+        """Whether MoRI's prefill tells decode a room's status from ``MoriKVSender.poll``
+        through ``MoriKVManager.notify_decode_status`` (0.5.10.post1 mori/conn.py:398,
+        0.5.16 :647, 0.5.19 :849), on the scheduler thread after the room's metadata rows
+        went out from ``add_transfer_request``; there is no ``conclude_failure`` and a
+        failure is recorded and marked Failed for the sender's poll to send. From 0.5.20
+        transfer workers conclude rooms through the common ``conclude_transfer`` /
+        ``conclude_failure`` instead, and the method is gone."""
+        return _stock_method_ast("mori/conn.py", "MoriKVManager", "notify_decode_status") is not None
+
+    @functools.cached_property
     def mori_registration_frames(self) -> int:
         """How many frames follow MoRI's guard in a stock decode registration, as the
         prefill's ``KVArgsRegisterInfo.from_zmq`` reads them (the highest constant
-        index into its payload, plus one; the room field "None" is frame 0): 13 on
-        0.5.12.post1-0.5.21 (reads payload[1..12]), 17 on 0.5.22 and 0.5.23. A
+        index into its payload, plus one; the room field "None" is frame 0): 11 on
+        0.5.10.post1/0.5.11 (payload[1..10]), 13 on 0.5.12.post1-0.5.21 (reads
+        payload[1..12]), 17 on 0.5.22 and 0.5.23. A
         frame after those is never parsed by a stock prefill."""
         # Read, not imported: MoRI's module imports its engine at the top.
         func = _stock_method_ast("mori/conn.py", "KVArgsRegisterInfo", "from_zmq")

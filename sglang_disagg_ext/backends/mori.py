@@ -59,7 +59,9 @@ except ModuleNotFoundError as _exc:  # pragma: no cover - depends on the machine
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import activation_log
+from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
 from sglang_disagg_ext.backends.shared import probe_prefill_version
+from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.state_blocks import mamba_slot_block, paged_byte_blocks
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -161,6 +163,11 @@ class MoriExtTransferInfo(_conn.TransferInfo):
         )
 
 
+# Frames after the guard in this wire's registration (MoriExtKVReceiver._register_kv_args);
+# F12's row-size frame (core.aux_rows) follows them.
+REGISTRATION_FIELDS = 13
+
+
 @dataclasses.dataclass
 class MoriExtKVArgsRegisterInfo(_conn.KVArgsRegisterInfo):
     """Decode's registration, state fields per component:
@@ -169,9 +176,9 @@ class MoriExtKVArgsRegisterInfo(_conn.KVArgsRegisterInfo):
 
     @classmethod
     def from_zmq(cls, payload: List[bytes]) -> "MoriExtKVArgsRegisterInfo":
-        if len(payload) < 13:
+        if len(payload) < REGISTRATION_FIELDS:
             raise StateWireError(
-                f"registration has {len(payload)} fields, the per-component state wire has 13"
+                f"registration has {len(payload)} fields, the per-component state wire has {REGISTRATION_FIELDS}"
             )
         # State fields first: a peer on another format is refused for that reason.
         packed = decode_mem_descs_per_component(payload[6])
@@ -215,8 +222,9 @@ def _peer_address(payload: List[bytes]) -> Tuple[str, int]:
 # -- manager ----------------------------------------------------------------------------------
 
 
-class MoriExtKVManager(MoriKVManager):
-    """MoRI manager with per-component state; see the module docstring."""
+class MoriExtKVManager(AuxRowCheckMixin, MoriKVManager):
+    """MoRI manager with per-component state, and F12's metadata-row checks
+    (:class:`.mori_aux_rows.AuxRowCheckMixin`, F12 is live on 0.5.12.x too); see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
@@ -288,6 +296,7 @@ class MoriExtKVManager(MoriKVManager):
         with self._refused_lock:
             self._refused_peers.pop((info.endpoint, info.dst_port), None)
         self._add_remote_peer(info)
+        self._note_aux_lens(payload, REGISTRATION_FIELDS)
 
     def _check_peer_components(self, info: MoriExtKVArgsRegisterInfo) -> None:
         mine = [len(c) for c in self.state_mem_descs]
@@ -593,6 +602,8 @@ class MoriExtKVReceiver(MoriKVReceiver):
             str(args.kv_item_lens[0]).encode("ascii"),
             packed_item_lens,
             packed_dims,
+            # F12: this decode's metadata row sizes (a stock prefill reads the fields above only).
+            encode_aux_item_lens(args.aux_item_lens),
         ]
         for bootstrap_info in self.bootstrap_infos:
             sock, lock = self._connect_to_bootstrap_server(bootstrap_info)
@@ -657,10 +668,10 @@ class MoriExtKVBootstrapServer(MoriKVBootstrapServer):
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin.
 
-    Where F12 is live (0.5.23, F3 upstream) that is ``backends.mori_newest``'s
-    classes over stock's; where F3 is live (0.5.12.x) the F3 classes below.
+    Where F3 is live (0.5.12.x) the F3 classes below (which carry F12's row checks);
+    elsewhere, where F12 is live, ``backends.mori_newest``'s classes over stock's.
     """
-    if policy.is_live("F12"):
+    if policy.is_live("F12") and not policy.is_live("F3"):
         from sglang_disagg_ext.backends.mori_newest import ext_classes as ordered_classes
 
         return ordered_classes()

@@ -1,4 +1,5 @@
-"""``mori-ext`` on 0.5.20-0.5.23 (F12): stock ``MoriKVManager`` with the metadata rows ordered and checked.
+"""``mori-ext`` (F12): stock ``MoriKVManager`` with the metadata rows ordered (0.5.20-0.5.23) and checked
+(every release; on 0.5.12.x ``mori-ext``'s classes are F3's, which carry the same row checks).
 
 Line numbers below are 0.5.23's. 0.5.22 has the same metadata path (``send_aux_tcp``
 :1556, ``_send_aux_data_to_endpoint`` :1577, ``_handle_aux_data`` :1932, the common
@@ -56,23 +57,36 @@ What this module changes:
 
 With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
 waits for them (stock), so only the length check of the prefill path applies.
+
+Up to 0.5.19 (``releases.features().mori_sender_notifies_status``) stock's shape
+differs: ``add_transfer_request`` sends the last chunk's rows itself on the
+scheduler thread, and the sender's ``poll`` later sends the status through
+``notify_decode_status``; there is no ``conclude_failure`` and the decode worker
+handles each status inline. There this class checks the rows on both sides as
+above, but leaves stock's channel (``send_aux_tcp`` hands the checked rows to
+stock's): from 0.5.12.post1 rows and status leave on one ``_connect_threadsafe``
+socket from one thread (ordered), and on 0.5.10.post1/0.5.11, which open a new
+socket per message, the harness's delay hook could not make the status overtake a
+row. A row refused on prefill is recorded and marked Failed; the sender's poll
+sends Failed with the reason to decode (``add_transfer_request`` re-marks the room,
+since 0.5.10.post1 marks it Success after the rows). A stock prefill is served there
+(no ``ORDER_ROUTE`` probe); the decode still checks every row it receives. The
+registration frame follows stock's 11 frames on 0.5.10.post1/0.5.11, 13 on
+0.5.12.post1-0.5.21 (``mori_registration_frames``).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
-import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.utils import AuxDataCodec
 from sglang.srt.disaggregation.mori import conn as _conn
-from sglang.srt.utils.network import NetworkAddress
 
 from sglang_disagg_ext import activation_log, metrics, releases
+from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
 from sglang_disagg_ext.backends.shared import probe_prefill_version, register_appending
-from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
+from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.thread_survival import failure_reason as thread_failure_reason
 
 logger = logging.getLogger("sglang_disagg_ext.mori")
@@ -92,8 +106,8 @@ def stock_registration_frames() -> int:
 REGISTRATION_ROOM = b"None"
 
 
-class MoriOrderedKVManager(_conn.MoriKVManager):
-    """Stock 0.5.20-0.5.23 MoRI manager with F12; see the module docstring."""
+class MoriOrderedKVManager(AuxRowCheckMixin, _conn.MoriKVManager):
+    """Stock MoRI manager with F12 (every release but 0.5.12.x); see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
@@ -101,8 +115,6 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
         (prefill) or the decode status thread, which call ``_handle_register_message``
         and ``_handle_aux_data``: every field they read is set before ``super().__init__``.
         """
-        self._peer_aux_lens: Dict[Tuple[str, int], List[int]] = {}
-        self._peer_aux_lock = threading.Lock()
         self._prefill_order: Dict[str, Optional[str]] = {}
         super().__init__(*args, **kwargs)
         activation_log.announce(type(self).__name__)
@@ -127,88 +139,7 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
         is served with this side's row sizes as the reference.
         """
         super()._handle_register_message(payload)
-        frames = stock_registration_frames()
-        if len(payload) <= frames:
-            return  # stock decode
-        try:
-            lens = decode_aux_item_lens(payload[frames])
-            key = (payload[1].decode("ascii"), int(payload[2].decode("ascii")))
-        except (AuxRowError, ValueError, UnicodeDecodeError) as exc:
-            logger.error("mori-ext: decode registration carries an unreadable metadata row-size frame: %s", exc)
-            return
-        if lens is not None:
-            with self._peer_aux_lock:
-                self._peer_aux_lens[key] = lens
-
-    # -- prefill: rows on the status channel -------------------------------------------------------------
-    def send_aux_tcp(self, peer_info, prefill_aux_index: int, dst_aux_index: int, room: int):
-        """Stock ``send_aux_tcp`` (0.5.23 mori/conn.py:1585-1608), rows checked, then
-        sent on the status socket.
-
-        Contract: prefill transfer worker, from ``_submit_kv_transfer`` for the
-        last chunk of ``room`` (also from ``send_aux_rdma`` when the engine path
-        cannot serve the peer); the room's status is concluded by the caller
-        after this returns. Returns no ``TransferStatus`` (as stock). Must not
-        raise for a bad row: the room is concluded Failed with the reason and
-        nothing is sent.
-        """
-        with self._peer_aux_lock:
-            dst_lens = self._peer_aux_lens.get((peer_info.endpoint, peer_info.dst_port))
-        num_bufs = min(len(self.kv_args.aux_data_ptrs), len(peer_info.dst_aux_mem_descs))
-        rows = []
-        for i in range(num_bufs):
-            length = self.kv_args.aux_item_lens[i]
-            data = AuxDataCodec.serialize_data_from_buffer(
-                self.kv_args.aux_data_ptrs[i] + length * prefill_aux_index, length
-            )
-            expected = length if dst_lens is None else (dst_lens[i] if i < len(dst_lens) else None)
-            problem = aux_row_problem(i, dst_aux_index, len(data), expected, sender_len=length)
-            if problem is not None:
-                self._fail_room(room, problem, "prefill")
-                return []
-            rows.append((i, data))
-        na = NetworkAddress(peer_info.endpoint, peer_info.dst_port)
-        for i, data in rows:
-            self._send_multipart_locked(
-                na.to_tcp(),
-                [
-                    _conn.MoriKVManager.AUX_DATA_HEADER,
-                    str(room).encode("ascii"),
-                    str(i).encode("ascii"),
-                    str(dst_aux_index).encode("ascii"),
-                    struct.pack(">I", len(data)),
-                    data,
-                ],
-                is_ipv6=na.is_ipv6,
-            )
-        return []
-
-    # -- decode: rows checked ------------------------------------------------------------------------------
-    def _handle_aux_data(self, msg: List[bytes]):
-        """Stock ``_handle_aux_data`` (:1971-1985) with every row checked before it is written.
-
-        Contract: decode status thread, for each ``AUX_DATA`` message, in the
-        order the prefill's socket delivered them (before that prefill's status
-        for the room). Must not raise on a bad message; a row that does not fit
-        fails its room here (decode) with the reason and is not written.
-        """
-        try:
-            room = int(msg[1].decode("ascii"))
-            buffer_index = int(msg[2].decode("ascii"))
-            row = int(msg[3].decode("ascii"))
-            (declared,) = struct.unpack(">I", msg[4])
-            data = msg[5]
-        except (IndexError, ValueError, UnicodeDecodeError, struct.error) as exc:
-            logger.error("mori-ext: unreadable metadata row message (%d frames): %s", len(msg), exc)
-            return
-        args = self.kv_args
-        row_len = args.aux_item_lens[buffer_index] if 0 <= buffer_index < len(args.aux_item_lens) else None
-        num_rows = args.aux_data_lens[buffer_index] // row_len if row_len else None
-        problem = aux_row_problem(buffer_index, row, len(data), row_len, declared_len=declared, num_rows=num_rows)
-        if problem is not None:
-            self._fail_room(room, problem, "decode")
-            return
-        AuxDataCodec.deserialize_data_to_buffer(args, buffer_index, row, data)
+        self._note_aux_lens(payload, stock_registration_frames())
 
     # -- decode: a status message whose handling raises -------------------------------------------------
     def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,
@@ -239,18 +170,6 @@ class MoriOrderedKVManager(_conn.MoriKVManager):
             except Exception:  # noqa: BLE001 - never out of the worker
                 logger.exception("mori-ext: could not fail room %s after the status fault", bootstrap_room)
             return None
-
-    def _fail_room(self, room: int, problem: str, side: str) -> None:
-        reason = f"mori-ext (F12) {side}: {problem}"
-        logger.error("room %s: %s", room, reason)
-        metrics.count("transfer_failures_total", fix=FIX, reason="metadata_row_length")
-        if room not in self.request_status:
-            return  # cleared: a record now would be adopted by a later room of that number
-        if side == "prefill":
-            self.conclude_failure(bootstrap_room=room, failure_reason=reason)  # tells decode too
-        else:
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
 
     # -- decode: is the prefill on the ordered channel? -------------------------------------------------
     def prefill_order_problem(self, bootstrap_addr: str) -> Optional[str]:
@@ -301,7 +220,10 @@ class MoriOrderedKVReceiver(_conn.MoriKVReceiver):
         ``PROBE_TIMEOUT_S`` and is cached per prefill after a definite answer.
         Never raises: a refused prefill ends the request Failed with the reason.
         """
-        problem = self.kv_mgr.prefill_order_problem(self.bootstrap_addr)
+        # Up to 0.5.19 a stock prefill sends rows and status in stock's order (module docstring),
+        # so there it is served; this decode still checks every row it receives.
+        legacy = releases.features().mori_sender_notifies_status
+        problem = None if legacy else self.kv_mgr.prefill_order_problem(self.bootstrap_addr)
         if problem is not None:
             if self.bootstrap_room is not None:
                 self.kv_mgr.record_failure(self.bootstrap_room, f"mori-ext refused at registration: {problem}")

@@ -19,17 +19,18 @@ import pytest
 # DecodeTransferQueue._commit_transfer_to_req before) are live and covered on every release (F10 on
 # 0.5.10.post1 with the import-only sgl_kernel stand-in its decode module needs on a CPU machine).
 # 0.5.13-0.5.21 (the release sweep runs this file there): the Mooncake fixes F6-F10, and
-# F12 on 0.5.20/0.5.21. F13 (NIXL SWA state across TP sizes) on 0.5.13-0.5.21.
+# F12. F13 (NIXL SWA state across TP sizes) on 0.5.13-0.5.21.
 # F11 (NIXL head-sliced path) exists from 0.5.22 only: n/a on the three older ones, live on 0.5.22
 # (not in the CI matrix; the release sweep runs this file there) and 0.5.23.
 TRUTH = {
-    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, False),
-    "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
-    "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10"}, True),
-    **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F13"}, True) for r in (
-        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
-    # F12 (MoRI rows and status on two sockets, 0.5.22's shape) from 0.5.20.
-    **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13"}, True) for r in ("0.5.20", "0.5.21")},
+    # F12 (MoRI rows of the wrong length dropped or overrun on decode: every wheel) live and covered
+    # on every release (0.5.12.x through F3's classes, which carry the row checks).
+    "0.5.10.post1": (True, {"F1", "F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12"}, False),
+    "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12"}, True),
+    "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12"}, True),
+    **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13"}, True) for r in (
+        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
+        "0.5.20", "0.5.21")},
     "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12"}, True),
     "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12"}, True),
 }

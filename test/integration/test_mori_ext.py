@@ -26,6 +26,7 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import struct
 import sys
 import threading
 from types import SimpleNamespace
@@ -135,7 +136,8 @@ def _decode_side(cpp, state_item_lens, state_lens_bytes, dims):
 
     state_descs = [[None if n == 0 else reg(n) for n in comp] for comp in state_lens_bytes]
     kv_args = SimpleNamespace(
-        state_item_lens=state_item_lens, state_dim_per_tensor=dims, gpu_id=0, engine_rank=0, kv_item_lens=[256]
+        state_item_lens=state_item_lens, state_dim_per_tensor=dims, gpu_id=0, engine_rank=0, kv_item_lens=[256],
+        aux_item_lens=[64],
     )
     mgr = SimpleNamespace(
         kv_args=kv_args,
@@ -196,7 +198,7 @@ def test_doctor_does_not_see_the_standin():
 @pytest.mark.timeout(300)
 def test_ext_classes_follow_the_release(ext, clean_activation):
     routed = ext.ext_classes(POLICY)
-    if POLICY.is_live("F12"):  # 0.5.23: F12's classes over stock (test_mori_newest.py)
+    if POLICY.is_live("F12") and not LIVE:  # F12's classes over stock (test_mori_newest.py)
         assert set(routed) == {"MoriKVManager", "MoriKVReceiver", "MoriKVBootstrapServer"}
         assert all(c.__module__ == "sglang_disagg_ext.backends.mori_newest" for c in routed.values())
         return
@@ -207,6 +209,10 @@ def test_ext_classes_follow_the_release(ext, clean_activation):
     assert set(routed) == {"MoriKVManager", "MoriKVSender", "MoriKVReceiver", "MoriKVBootstrapServer"}
     for name, cls in routed.items():
         assert issubclass(cls, getattr(stock, name)) and cls is not getattr(stock, name)
+    # F12 is live on 0.5.12.x too: F3's manager carries its row checks.
+    from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
+
+    assert issubclass(routed["MoriKVManager"], AuxRowCheckMixin)
 
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -249,7 +255,9 @@ def test_registration_and_metadata_round_trip_per_component(ext, standin_modules
     rcv, sock = _receiver(ext.MoriExtKVReceiver, mgr)
     rcv._register_kv_args()
     (frames,) = sock.sent
-    assert frames[0] == ext.MORI_GUARD and len(frames) == 14  # same frame layout as stock
+    # Stock's 14 frames (guard + 13), then F12's row-size frame: "SDXA", version 1, count 1, 64.
+    assert frames[0] == ext.MORI_GUARD and len(frames) == 15
+    assert frames[14] == b"SDXA" + bytes([1]) + struct.pack("<II", 1, 64)
     info = ext.MoriExtKVArgsRegisterInfo.from_zmq(frames[1:])
     assert info.dst_state_mem_descs == mgr.state_mem_descs
     assert info.dst_state_mem_descs[1][1] is None

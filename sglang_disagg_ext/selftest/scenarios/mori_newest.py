@@ -236,6 +236,22 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
         return [row(n, "n/a", "n/a", False, 0.0, detail=why) for n in wanted]
 
     rows = []
+    if releases.features().mori_sender_notifies_status:
+        # Up to 0.5.19 (mori_sender_notifies_status): stock's rows and status leave on one socket
+        # from one thread (0.5.12.post1+); on 0.5.10.post1/0.5.11 (a new ZMQ context and socket per
+        # message, common/conn.py:371-376) the delay hook stalls the sending thread for the delay,
+        # so the status never overtook a row here (5 of 5 rooms, 300 ms). Stock's decode worker
+        # handles each status inline, with no per-message method for -ext to guard. The short-row
+        # row is F12 there.
+        legacy_why = {
+            "mori-aux-order": f"n/a on SGLang {policy.version}: stock's status did not overtake its rows here "
+                              "(one socket from one thread, or not shown by the delay hook), so -ext leaves "
+                              "the channel as it is and checks the rows",
+            "mori-status-worker-fault": f"n/a on SGLang {policy.version}: stock's decode worker handles each status "
+                                        "inline (no apply_prefill_status to guard)",
+        }
+        rows += [row(n, "n/a", "n/a", False, 0.0, detail=legacy_why[n]) for n in wanted if n in legacy_why]
+        wanted = [n for n in wanted if n not in legacy_why]
     if "mori-aux-order" in wanted:
         start = time.monotonic()
         scn = aux_order(ROW_REQUESTS)
