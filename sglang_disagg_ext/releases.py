@@ -607,14 +607,22 @@ class SGLangFeatures:
 
     @functools.cached_property
     def mori_sender_notifies_status(self) -> bool:
-        """Whether MoRI's prefill tells decode a room's status from ``MoriKVSender.poll``
-        through ``MoriKVManager.notify_decode_status`` (0.5.10.post1 mori/conn.py:398,
-        0.5.16 :647, 0.5.19 :849), on the scheduler thread after the room's metadata rows
-        went out from ``add_transfer_request``; there is no ``conclude_failure`` and a
-        failure is recorded and marked Failed for the sender's poll to send. From 0.5.20
-        transfer workers conclude rooms through the common ``conclude_transfer`` /
-        ``conclude_failure`` instead, and the method is gone."""
+        """Whether MoRI's prefill tells decode a room's status through
+        ``MoriKVManager.notify_decode_status`` (0.5.10.post1 mori/conn.py:398, 0.5.16 :647,
+        0.5.19 :849), after the room's metadata rows went out through stock's
+        ``send_aux_tcp``: from the sender's ``poll`` up to 0.5.18, from the transfer worker
+        (``_notify_decode_for_room``) on 0.5.19. There is no ``conclude_failure`` there.
+        From 0.5.20 transfer workers conclude rooms through the common
+        ``conclude_transfer`` / ``conclude_failure`` instead, and the method is gone."""
         return _stock_method_ast("mori/conn.py", "MoriKVManager", "notify_decode_status") is not None
+
+    @functools.cached_property
+    def mori_conclude_room_failure(self) -> bool:
+        """Whether MoRI's prefill manager has ``_conclude_room_failure`` (0.5.19 mori/conn.py:567):
+        there transfer workers send the room's status (``_notify_decode_for_room``) and the
+        sender's ``poll`` only reads it, so a failure must be concluded through it to reach
+        decode; 0.5.10.post1-0.5.18 send it from the sender's poll (``_finalize_failure``)."""
+        return _stock_method_ast("mori/conn.py", "MoriKVManager", "_conclude_room_failure") is not None
 
     @functools.cached_property
     def mori_registration_frames(self) -> int:

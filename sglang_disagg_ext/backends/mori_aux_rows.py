@@ -20,9 +20,11 @@ its tail, and the request reports Success with it. Here:
 How a room fails and how rows are sent depend on the release (probe
 ``mori_sender_notifies_status``): from 0.5.20 transfer workers conclude rooms
 through ``conclude_failure`` and the rows go out on the status socket (see
-:mod:`.mori_newest`); up to 0.5.19 the scheduler thread sends them from
-``add_transfer_request`` through stock's ``send_aux_tcp`` and the sender's poll
-sends the status (with the recorded reason) later.
+:mod:`.mori_newest`); up to 0.5.19 the rows go out through stock's
+``send_aux_tcp`` and the status later, from the sender's poll up to 0.5.18
+(with the recorded reason) and from the transfer worker on 0.5.19, where a
+refusal is concluded through its ``_conclude_room_failure`` (probe
+``mori_conclude_room_failure``).
 """
 
 from __future__ import annotations
@@ -181,9 +183,14 @@ class AuxRowCheckMixin:
             return  # cleared: a record now would be adopted by a later room of that number
         if side == "prefill" and not releases.features().mori_sender_notifies_status:
             self.conclude_failure(bootstrap_room=room, failure_reason=reason)  # tells decode too
+        elif side == "prefill" and releases.features().mori_conclude_room_failure:
+            # 0.5.19: a transfer worker sends the room's status; this tells decode with the reason.
+            self.record_failure(room, reason)
+            self._conclude_room_failure(room, reason)
         elif side == "prefill":
-            # Up to 0.5.19: recorded and Failed; the sender's poll sends Failed with this reason
-            # to decode. add_transfer_request re-marks it (0.5.10.post1 sets Success after the rows).
+            # 0.5.10.post1-0.5.18: recorded and Failed; the sender's poll sends Failed with this
+            # reason to decode. add_transfer_request re-marks it (0.5.10.post1 sets Success after
+            # the rows, on the same thread).
             self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
             self._rows_refused.add(room)

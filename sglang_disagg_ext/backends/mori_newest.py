@@ -59,17 +59,17 @@ With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
 waits for them (stock), so only the length check of the prefill path applies.
 
 Up to 0.5.19 (``releases.features().mori_sender_notifies_status``) stock's shape
-differs: ``add_transfer_request`` sends the last chunk's rows itself on the
-scheduler thread, and the sender's ``poll`` later sends the status through
-``notify_decode_status``; there is no ``conclude_failure`` and the decode worker
-handles each status inline. There this class checks the rows on both sides as
+differs: the last chunk's rows go out through stock's ``send_aux_tcp`` and the
+status later through ``notify_decode_status`` (from the sender's ``poll`` up to
+0.5.18, from the transfer worker on 0.5.19); there is no ``conclude_failure`` and
+the decode worker handles each status inline. There this class checks the rows on both sides as
 above, but leaves stock's channel (``send_aux_tcp`` hands the checked rows to
 stock's): from 0.5.12.post1 rows and status leave on one ``_connect_threadsafe``
 socket from one thread (ordered), and on 0.5.10.post1/0.5.11, which open a new
 socket per message, the harness's delay hook could not make the status overtake a
-row. A row refused on prefill is recorded and marked Failed; the sender's poll
-sends Failed with the reason to decode (``add_transfer_request`` re-marks the room,
-since 0.5.10.post1 marks it Success after the rows). A stock prefill is served there
+row. A row refused on prefill is recorded and concluded Failed the way that
+release concludes a failure (:mod:`.mori_aux_rows`), which sends Failed with the
+reason to decode. A stock prefill is served there
 (no ``ORDER_ROUTE`` probe); the decode still checks every row it receives. The
 registration frame follows stock's 11 frames on 0.5.10.post1/0.5.11, 13 on
 0.5.12.post1-0.5.21 (``mori_registration_frames``).
