@@ -163,7 +163,7 @@ FIX_TITLES = {
     "F13": "NIXL across attention TP sizes: SWA state sent as head slices (F4's layout) where stock refuses "
     "every request of a hybrid SWA model; up to 0.5.16 also the KV heads of a decode that replicates them; "
     "layouts that cannot be sliced and registrations that raise refused at registration; up to 0.5.19 decode "
-    "told at once of a room prefill fails",
+    "told at once of a room prefill fails; up to 0.5.15 decode's ABORT no longer ends prefill's bootstrap thread",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -604,6 +604,17 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.mori.conn import MoriKVManager
 
         return hasattr(MoriKVManager, "build_receiver_registration_message")
+
+    @functools.cached_property
+    def nixl_bootstrap_handles_abort(self) -> bool:
+        """Whether NIXL prefill's bootstrap loop handles decode's ``ABORT`` message
+        (``NixlKVManager._handle_abort_notification``, 0.5.16 nixl/conn.py:2350, called
+        at :2413). Up to 0.5.15 it does not: the loop asserts that every message starts
+        with its guard (0.5.13 nixl/conn.py:1849-1851, "Foreign traffic?"), while
+        decode's ``CommonKVReceiver.abort`` sends ``[b"ABORT", room, ip, port]`` to that
+        socket (0.5.13 common/conn.py:1114-1126): one aborted request ends the
+        thread."""
+        return _stock_method_ast("nixl/conn.py", "NixlKVManager", "_handle_abort_notification") is not None
 
     @functools.cached_property
     def mori_sender_notifies_status(self) -> bool:

@@ -41,6 +41,11 @@ Here, on prefill:
   with prefill's reason. A stock decode logs one "unexpected message tag"
   warning where it reads that socket, and otherwise waits out its timeout as
   before.
+* Up to 0.5.15 stock's prefill bootstrap loop asserts that every message
+  starts with its guard, and decode's abort of any request sends a bare
+  ``ABORT`` message there (0.5.13 common/conn.py:1114-1126): the thread dies
+  ("Foreign traffic?") and nothing after is served. Here the loop reads
+  through a filter that handles the abort as 0.5.16 does and never hands it on.
 """
 
 from __future__ import annotations
@@ -264,6 +269,36 @@ class RegistrationRefusalMixin:
                 logger.exception("nixl-ext: decode failure reader")
                 continue
             logger.warning("nixl-ext: decode manager socket: unexpected message tag %s", msg[0][:20] if msg else b"")
+
+    # -- decode aborts on prefill, up to 0.5.15 ----------------------------------------------
+    def _start_bootstrap_thread(self, *args, **kwargs):
+        """Stock's bootstrap thread, reading through a filter that takes decode's ``ABORT``
+        messages off where stock's loop would assert on them (up to 0.5.15).
+
+        Contract: prefill only, called once from stock's constructor; the thread it starts
+        reads ``self.server_socket`` in a loop. Up to 0.5.15 that loop asserts every
+        message starts with its guard, and decode's abort of any request sends
+        ``[b"ABORT", room, ...]`` there: the thread dies and no later registration or room
+        is served (``releases.features().nixl_bootstrap_handles_abort``). Here the abort is
+        handled as 0.5.16 handles it (the room, unless already Success, recorded and
+        Failed) and never reaches stock's loop.
+        """
+        if self.disaggregation_mode == DisaggregationMode.PREFILL and not releases.features().nixl_bootstrap_handles_abort:
+            self.server_socket = FilteringSocket(self.server_socket, self._on_prefill_message, logger)
+        return super()._start_bootstrap_thread(*args, **kwargs)
+
+    def _on_prefill_message(self, msg):
+        if not msg or msg[0] != b"ABORT":
+            return None
+        try:
+            room = int(msg[1].decode("ascii"))
+        except (IndexError, ValueError, UnicodeDecodeError):
+            logger.warning("nixl-ext: ignoring a malformed abort message (%d frames)", len(msg))
+            return FilteringSocket.CONSUMED
+        if room in self.request_status and self.check_status(room) != KVPoll.Success:
+            self.record_failure(room, "Aborted by decode-side abort notification.")
+            self.update_status(room, KVPoll.Failed)
+        return FilteringSocket.CONSUMED
 
     def _start_decode_staging_thread(self, *args, **kwargs):
         """Stock's reader of decode's manager socket (0.5.13-0.5.18), reading through ours.

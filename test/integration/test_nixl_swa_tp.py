@@ -233,6 +233,14 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
     assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
 
 
+def _two_rooms(prefill_hook: str, backend: str):
+    """TP 1 -> 1, rooms 1000 and 1001 (``N.listener_fault``), with one ``test/support`` prefill hook."""
+    env = {nixl_shim.ENV: "1", "SGLANG_HARNESS_PREFILL_HOOK": f"{FAULTS}:{prefill_hook}"}
+    result = run_scenario(N.listener_fault(), backend, extra_env=env)
+    assert result.prefill_manager == (EXT_MANAGER if backend == "nixl-ext" else STOCK_MANAGER), result.describe()
+    return result
+
+
 @pytest.mark.timeout(RUN_BOUND_S)
 @pytest.mark.skipif(releases.features().nixl_conclude_failure,
                     reason="n/a: from 0.5.20 stock NIXL tells decode of a prefill-side failure (conclude_failure)")
@@ -240,20 +248,26 @@ def test_prefill_side_failure_reaches_decode_at_once():
     """TP 1 -> 1, two rooms; prefill's transfer worker raises once in room 1000's ``send_aux``
     (after its KV pages were posted; hook ``raise_in_nixl_send_aux`` of ``test/support``).
     Stock up to 0.5.19: prefill fails room 1000 with the exception, but no NIXL message tells
-    decode, which ends it only by its waiting timeout. -ext: decode ends room 1000 Failed at once
-    with prefill's reason (the plugin's failure message), writes nothing outside its pages, and
-    room 1001 is Success with every byte checked."""
-    env = {nixl_shim.ENV: "1", "SGLANG_HARNESS_PREFILL_HOOK": f"{FAULTS}:{N.FAILED_ROOM_PREFILL_HOOK}"}
-    stock = run_scenario(N.listener_fault(), "nixl", extra_env=env)
-    assert stock.prefill_manager == STOCK_MANAGER, stock.describe()
+    decode, which ends it only by its waiting timeout; up to 0.5.15 decode's abort of that room
+    then kills prefill's bootstrap thread (its loop asserts on the unguarded ``ABORT``), and room
+    1001 is lost too. -ext: decode ends room 1000 Failed at once with prefill's reason (the
+    plugin's failure message), writes nothing outside its pages, and room 1001 is Success with
+    every byte checked (up to 0.5.15 after the plugin took decode's abort off the loop)."""
+    stock = _two_rooms(N.FAILED_ROOM_PREFILL_HOOK, "nixl")
     bad, good = stock.requests
     assert (bad.prefill_status, bad.decode_status) == ("Failed", "Failed"), stock.describe()
     assert bad.prefill_failure_reason == N.SEND_AUX_FAULT, stock.describe()
     assert _timed_out(bad.decode_failure_reason, "WaitingForInput"), stock.describe()
-    assert good.ok and good.bytes_verified, stock.describe()
+    if releases.features().nixl_bootstrap_handles_abort:
+        assert good.ok and good.bytes_verified, stock.describe()
+    else:
+        # Up to 0.5.15 decode's abort of the timed-out room kills prefill's bootstrap thread
+        # (0.5.13 nixl/conn.py:1849-1851), so room 1001 is never served either.
+        died = [t for r in stock.requests for t in r.thread_errors]
+        assert any("(bootstrap_thread): AssertionError: First message should be" in t for t in died), stock.describe()
+        assert good.decode_status == "Failed", stock.describe()
 
-    ext = run_scenario(N.listener_fault(), "nixl-ext", extra_env=env)
-    assert ext.prefill_manager == EXT_MANAGER, ext.describe()
+    ext = _two_rooms(N.FAILED_ROOM_PREFILL_HOOK, "nixl-ext")
     bad, good = ext.requests
     assert (bad.prefill_status, bad.decode_status) == ("Failed", "Failed"), ext.describe()
     assert bad.prefill_failure_reason == N.SEND_AUX_FAULT, ext.describe()
@@ -261,4 +275,29 @@ def test_prefill_side_failure_reaches_decode_at_once():
     assert bad.decode_seconds < N.FAILED_WITHIN_S, ext.describe()
     assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
     assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
+    assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(releases.features().nixl_bootstrap_handles_abort,
+                    reason="n/a: from 0.5.16 stock's bootstrap loop handles decode's ABORT message")
+def test_decode_abort_does_not_end_the_bootstrap_thread():
+    """TP 1 -> 1, two rooms; room 1000's transfer is lost on prefill (hook ``lose_first_transfer``
+    of ``test/support``), so decode ends it by its waiting timeout and, as SGLang does, sends
+    ``ABORT`` for it to prefill's bootstrap socket. Stock up to 0.5.15: the bootstrap loop asserts
+    on the unguarded message and dies, so room 1001 is never served. -ext: the abort is handled
+    (room 1000 Failed on prefill with SGLang's abort reason) and room 1001 is Success with every
+    byte checked; no thread died."""
+    stock = _two_rooms(N.LOST_TRANSFER_HOOK, "nixl")
+    lost, after = stock.requests
+    assert _timed_out(lost.decode_failure_reason, "WaitingForInput"), stock.describe()
+    died = [t for r in stock.requests for t in r.thread_errors]
+    assert any("(bootstrap_thread): AssertionError: First message should be" in t for t in died), stock.describe()
+    assert after.decode_status == "Failed", stock.describe()
+
+    ext = _two_rooms(N.LOST_TRANSFER_HOOK, "nixl-ext")
+    lost, after = ext.requests
+    assert _timed_out(lost.decode_failure_reason, "WaitingForInput"), ext.describe()
+    assert lost.prefill_failure_reason == N.ABORT_REASON, ext.describe()
+    assert after.ok and after.bytes_verified and after.decode_status == "Success", ext.describe()
     assert all(r.thread_errors == [] for r in ext.requests), ext.describe()

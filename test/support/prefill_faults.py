@@ -123,3 +123,18 @@ def raise_on_failure_record(mgr) -> None:
         return stock(bootstrap_room, *args, **kwargs)
 
     mgr.record_failure = record_failure
+
+
+def lose_first_transfer(mgr) -> None:
+    """Prefill: the fault room's chunks never reach a transfer worker (``add_transfer_request``
+    returns without queuing them), as a lost transfer would: nothing fails on prefill, and decode
+    ends the room by its waiting timeout, which sends SGLang's ``ABORT`` message to prefill's
+    bootstrap socket (0.5.13 common/conn.py:1082-1087, 1114-1126)."""
+    room, stock = _room(), mgr.add_transfer_request
+
+    def add_transfer_request(bootstrap_room, *args, **kwargs):
+        if bootstrap_room == room:
+            return None
+        return stock(bootstrap_room, *args, **kwargs)
+
+    mgr.add_transfer_request = add_transfer_request

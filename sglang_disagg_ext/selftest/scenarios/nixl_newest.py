@@ -288,7 +288,25 @@ def _f13_rows() -> list:
         out.append(row("prefill send_aux raises tp1->tp1, decode told", listener_fault,
                        lambda r: r.first_room_failed_then_served("Failed", SEND_AUX_FAULT, FAILED_WITHIN_S),
                        prefill_hook=FAILED_ROOM_PREFILL_HOOK))
+    if not releases.features().nixl_bootstrap_handles_abort:
+        # Up to 0.5.15 decode's ABORT (sent when it times a room out) kills stock's bootstrap thread.
+        out.append(row("decode aborts a lost room tp1->tp1, next served", listener_fault, _abort_survived,
+                       prefill_hook=LOST_TRANSFER_HOOK))
     return out
+
+
+LOST_TRANSFER_HOOK = "lose_first_transfer"
+ABORT_REASON = "Aborted by decode-side abort notification."  # SGLang's text (0.5.16 nixl/conn.py:2366)
+
+
+def _abort_survived(result) -> bool:
+    """Passed: room 1000 (transfer lost) Failed on prefill by decode's abort, room 1001 ok with
+    every byte checked, no thread died."""
+    if result.error or len(result.requests) != 2:
+        return False
+    lost, after = result.requests
+    return (lost.prefill_failure_reason == ABORT_REASON and after.ok
+            and not any(r.thread_errors for r in result.requests))
 
 
 def nixl_scenarios(policy) -> list:
