@@ -621,8 +621,9 @@ class SGLangFeatures:
         """Whether MoRI's prefill tells decode a room's status through
         ``MoriKVManager.notify_decode_status`` (0.5.10.post1 mori/conn.py:398, 0.5.16 :647,
         0.5.19 :849), after the room's metadata rows went out through stock's
-        ``send_aux_tcp``: from the sender's ``poll`` up to 0.5.18, from the transfer worker
-        (``_notify_decode_for_room``) on 0.5.19. There is no ``conclude_failure`` there.
+        ``send_aux_tcp``: through the sender (its ``poll`` up to 0.5.12.x, ``_run_chunk`` on a
+        transfer worker on 0.5.13-0.5.18) or, on 0.5.19, the transfer worker's
+        ``_notify_decode_for_room``. There is no ``conclude_failure`` there.
         From 0.5.20 transfer workers conclude rooms through the common
         ``conclude_transfer`` / ``conclude_failure`` instead, and the method is gone."""
         return _stock_method_ast("mori/conn.py", "MoriKVManager", "notify_decode_status") is not None

@@ -21,10 +21,10 @@ How a room fails and how rows are sent depend on the release (probe
 ``mori_sender_notifies_status``): from 0.5.20 transfer workers conclude rooms
 through ``conclude_failure`` and the rows go out on the status socket (see
 :mod:`.mori_newest`); up to 0.5.19 the rows go out through stock's
-``send_aux_tcp`` and the status later, from the sender's poll up to 0.5.18
-(with the recorded reason) and from the transfer worker on 0.5.19, where a
-refusal is concluded through its ``_conclude_room_failure`` (probe
-``mori_conclude_room_failure``).
+``send_aux_tcp`` and the status later through ``notify_decode_status`` (a
+failure, with the recorded reason, through the sender up to 0.5.18), and on
+0.5.19 a refusal is concluded through the manager's ``_conclude_room_failure``
+(probe ``mori_conclude_room_failure``).
 """
 
 from __future__ import annotations
@@ -81,14 +81,17 @@ class AuxRowCheckMixin:
     # -- prefill: rows on the status channel -------------------------------------------------------------
     def send_aux_tcp(self, peer_info, prefill_aux_index: int, dst_aux_index: int, room: int):
         """Stock ``send_aux_tcp`` (0.5.23 mori/conn.py:1585-1608), rows checked, then
-        sent on the status socket.
+        sent on the status socket (from 0.5.20) or handed to stock's (up to 0.5.19).
 
-        Contract: prefill transfer worker, from ``_submit_kv_transfer`` for the
-        last chunk of ``room`` (also from ``send_aux_rdma`` when the engine path
-        cannot serve the peer); the room's status is concluded by the caller
-        after this returns. Returns no ``TransferStatus`` (as stock). Must not
-        raise for a bad row: the room is concluded Failed with the reason and
-        nothing is sent.
+        Contract: prefill, for the last chunk of ``room``, inside stock's submit path:
+        from 0.5.19 on a transfer worker (``_submit_kv_transfer``; from 0.5.20 also
+        from ``send_aux_rdma`` when the engine path cannot serve the peer), on
+        0.5.13-0.5.18 inside ``add_transfer_request`` on a transfer worker
+        (``MoriKVSender._run_chunk``), up to 0.5.12.x inside ``add_transfer_request``
+        on the scheduler thread. The room's status is sent after this returns, from
+        the same thread or later from the sender's poll. Returns no
+        ``TransferStatus`` (as stock). Must not raise for a bad row: the room is
+        concluded Failed with the reason and nothing is sent.
         """
         legacy = releases.features().mori_sender_notifies_status
         with self._peer_aux_lock:
@@ -131,14 +134,16 @@ class AuxRowCheckMixin:
         return []
 
     def add_transfer_request(self, bootstrap_room: int, *args, **kwargs):
-        """Stock; up to 0.5.19 a room whose rows this class refused stays Failed.
+        """Stock; up to 0.5.18 a room whose rows this class refused stays Failed.
 
-        Contract: prefill scheduler thread, ``MoriKVSender.send`` per chunk; up to
-        0.5.19 it sends the last chunk's rows itself (``send_aux`` -> ``send_aux_tcp``,
-        same thread) and 0.5.10.post1 then marks the room Success, which would
-        override the Failed the row check set (``CommonKVManager.update_status``
-        takes the max of two non-Failed states and Failed is the lowest). From 0.5.20
-        it only queues the chunk for a transfer worker and nothing is added here.
+        Contract: prefill, per chunk: up to 0.5.12.x from ``MoriKVSender.send`` on the
+        scheduler thread, on 0.5.13-0.5.18 from ``MoriKVSender._run_chunk`` on a
+        transfer worker; there it sends the last chunk's rows itself (``send_aux`` ->
+        ``send_aux_tcp``, same thread), and 0.5.10.post1 then marks the room Success,
+        which would override the Failed the row check set (``CommonKVManager.update_status``
+        takes the max of two non-Failed states and Failed is the lowest). From 0.5.19 it
+        only queues the chunk for a transfer worker, and nothing is added here (the
+        refusal is concluded through ``_conclude_room_failure`` / ``conclude_failure``).
         Returns stock's value; never raises for a refused row.
         """
         out = super().add_transfer_request(bootstrap_room, *args, **kwargs)

@@ -60,8 +60,9 @@ waits for them (stock), so only the length check of the prefill path applies.
 
 Up to 0.5.19 (``releases.features().mori_sender_notifies_status``) stock's shape
 differs: the last chunk's rows go out through stock's ``send_aux_tcp`` and the
-status later through ``notify_decode_status`` (from the sender's ``poll`` up to
-0.5.18, from the transfer worker on 0.5.19); there is no ``conclude_failure`` and
+status later through ``notify_decode_status`` (from the scheduler thread up to
+0.5.12.x, from the thread that sent the rows, a transfer worker, from 0.5.13; a
+failure through the sender up to 0.5.18); there is no ``conclude_failure`` and
 the decode worker handles each status inline. There this class checks the rows on both sides as
 above, but leaves stock's channel (``send_aux_tcp`` hands the checked rows to
 stock's): from 0.5.12.post1 rows and status leave on one ``_connect_threadsafe``
