@@ -606,6 +606,13 @@ class SGLangFeatures:
         return hasattr(MoriKVManager, "build_receiver_registration_message")
 
     @functools.cached_property
+    def dcp_relayout_check(self) -> bool:
+        """Whether the common KV manager has ``requires_dcp_relayout(dst_dcp_size, dst_dcp_rank)``
+        (0.5.19 onwards, common/conn.py; 0.5.21 :336): where it says a decode context-parallel
+        relayout is needed, stock sends whole pages, not head slices. Absent up to 0.5.18."""
+        return _stock_method_ast("common/conn.py", "CommonKVManager", "requires_dcp_relayout") is not None
+
+    @functools.cached_property
     def nixl_bootstrap_handles_abort(self) -> bool:
         """Whether NIXL prefill's bootstrap loop handles decode's ``ABORT`` message
         (``NixlKVManager._handle_abort_notification``, 0.5.16 nixl/conn.py:2350, called

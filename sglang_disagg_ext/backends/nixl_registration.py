@@ -133,8 +133,8 @@ class RegistrationRefusalMixin:
 
         Runs on the bootstrap thread for a new decode rank's registration, before
         stock's. Heads are sliced only for a non-MLA model whose attention TP sizes
-        differ (and, where the release has decode context parallelism, no relayout
-        is asked for): then KV (stock slices every KV region with the first item
+        differ (and, where the release checks decode context parallelism, 0.5.19+,
+        no relayout is asked for): then KV (stock slices every KV region with the first item
         length: 0.5.16 nixl/conn.py:744-755, 0.5.23 :1305-1312) and every SWA state
         component (sliced with the model's KV head count: F13's class on
         0.5.13-0.5.21, common/conn.py:1809-1832 on 0.5.22+) must hold whole heads of
@@ -142,12 +142,12 @@ class RegistrationRefusalMixin:
         checked on KV only (its state has nothing to compare against here).
         """
         decode_tp = int(info.decode_tp_size)
-        relayout = getattr(self, "requires_dcp_relayout", None)  # 0.5.22+
         if (
             self.is_mla_backend
             or getattr(self, "is_hybrid_mla_backend", False)
             or decode_tp == self.attn_tp_size
-            or (relayout is not None and relayout(info.dst_dcp_size, info.dst_dcp_rank))
+            or (releases.features().dcp_relayout_check
+                and self.requires_dcp_relayout(info.dst_dcp_size, info.dst_dcp_rank))
         ):
             return  # whole pages are sent: no head slice
         kv_args = self.kv_args
