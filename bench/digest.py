@@ -6,10 +6,13 @@ the bench's shapes (``bench.shapes``: 4 layers, K and V buffers, 64-token pages,
 and per sample in thread CPU time (wall time on CUDA, after a synchronize, and
 with ``--threads`` above 1):
 
-* **digest**: ``mooncake_verify.rows_digest`` over every page of every buffer, the
-  pages gathered out of the pool by index inside the call (decode's path before
+* **digest**: ``mooncake_verify.rows_digests`` over every page of every buffer in one
+  call, the pages gathered out of the pool by index inside it (decode's path before
   Success, and prefill's for a chunk whose pages are not one contiguous run; a
-  contiguous run is digested in place, without the gather);
+  contiguous run is digested in place, without the gather); on a device the buffers'
+  totals come back to the host in one copy;
+* **digest_each** (device only): the same, one ``rows_digest`` call (one copy back, so
+  one synchronisation) per buffer, as the verified path did before;
 * **gather**: ``index_select`` of the same pages into a preallocated tensor (one
   read and one write of the bytes: what a transfer's source side costs at least).
 
@@ -32,7 +35,7 @@ import time
 import torch
 
 from bench import shapes
-from sglang_disagg_ext.backends.mooncake_verify import rows_digest
+from sglang_disagg_ext.backends.mooncake_verify import rows_digest, rows_digests
 from sglang_disagg_ext.core import digest as dg
 
 
@@ -45,7 +48,7 @@ def _clock(device):
     return time.thread_time()
 
 
-def measure(tokens: int, samples: int, device: torch.device, seed: int = 0):
+def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, profile: bool = False):
     pages = shapes.pages_for_tokens(tokens, shapes.PAGE_SIZE)
     item = shapes.PAGE_SIZE * shapes.KV_HEADS * shapes.KV_HEAD_DIM * shapes.DTYPE_BYTES
     pool_pages = 2 * pages + 1
@@ -57,25 +60,43 @@ def measure(tokens: int, samples: int, device: torch.device, seed: int = 0):
     out = torch.empty((pages, item), dtype=torch.uint8, device=device)
 
     def digest():
-        total = 0
-        for b, buf in enumerate(buffers):
-            total = (total + rows_digest(buf, dg.KV_COMPONENT, b, dst_pages, index=src)) & dg.MASK
-        return total
+        return dg.combine(rows_digests([(buf, dg.KV_COMPONENT, b, dst_pages, src) for b, buf in enumerate(buffers)]))
+
+    def digest_each():
+        return dg.combine(rows_digest(buf, dg.KV_COMPONENT, b, dst_pages, index=src) for b, buf in enumerate(buffers))
 
     def gather():
         for buf in buffers:
             torch.index_select(buf, 0, src, out=out)
 
-    digest(), gather()  # weights cached, allocator warm
-    times = {"digest": [], "gather": []}
+    runs = {"digest": digest, "gather": gather}
+    if device.type != "cpu":
+        runs["digest_each"] = digest_each
+    assert all(fn() == digest() for fn in (digest, digest_each))  # same value both ways
+    gather()  # weights cached, allocator warm
+    times = {name: [] for name in runs}
+    names = list(runs)
     for i in range(samples):
-        order = ("digest", "gather") if i % 2 == 0 else ("gather", "digest")
-        for name in order:
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: none always follows another
             t0 = _clock(device)
-            (digest if name == "digest" else gather)()
+            runs[name]()
             times[name].append(_clock(device) - t0)
     nbytes = len(buffers) * pages * item
+    if profile:
+        _print_profile(digest, device)
     return pages, nbytes, times
+
+
+def _print_profile(fn, device, calls: int = 5):
+    """Where one digest's time goes: torch.profiler over ``calls`` calls (host and device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+    print(f"profile of {calls} digest calls (torch.profiler, sorted by host time):")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=40))
 
 
 def main(argv=None) -> int:
@@ -86,10 +107,11 @@ def main(argv=None) -> int:
     ap.add_argument("--transfer-ms", type=float, default=None,
                     help="a measured transfer time of the same request, to put the digest next to")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the bench's own process only)")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table of the digest calls")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    pages, nbytes, times = measure(args.tokens, args.samples, device)
+    pages, nbytes, times = measure(args.tokens, args.samples, device, profile=args.profile)
     d, g = statistics.median(times["digest"]), statistics.median(times["gather"])
     clock = "wall (synchronized)" if device.type == "cuda" else "wall" if args.threads > 1 else "thread CPU"
     print(f"digest cost, {args.tokens} tokens = {pages} pages x {2 * shapes.KV_LAYERS} KV buffers "
@@ -98,6 +120,9 @@ def main(argv=None) -> int:
     print(f"  digest (one side): median {d * 1e3:.2f} ms ({nbytes / d / 2**30:.2f} GiB/s)")
     print(f"  gather (same pages): median {g * 1e3:.2f} ms ({nbytes / g / 2**30:.2f} GiB/s)")
     print(f"  digest / gather: {d / g:.2f}")
+    if "digest_each" in times:
+        e = statistics.median(times["digest_each"])
+        print(f"  digest_each (one copy back per buffer): median {e * 1e3:.2f} ms; digest_each / digest: {e / d:.2f}")
     if args.transfer_ms:
         print(f"  digest / transfer ({args.transfer_ms} ms): {d * 1e3 / args.transfer_ms:.2f} per side")
     return 0

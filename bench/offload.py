@@ -9,7 +9,8 @@ A benchmark, not a test. For one retracted request it times
   contiguous device tensor copied to a new host tensor (``.to("cpu", copy=True)``:
   an offload has to put its copy in new host memory too) and copied back with
   ``copy_``,
-* **memcpy**: the same, into a preallocated host tensor (the bandwidth bound),
+* **memcpy**: the same, into a preallocated host tensor (the bandwidth bound; on CUDA a
+  pinned one, as the plugin's own host copy is, so it is the device-to-host bound),
 * **gather**: a plain gather and scatter of the *same pages* of the same pool, per layer,
   one memcpy per page row (CPU: NumPy fancy indexing over row-sized items, into new host
   memory and back; CUDA: ``index_select``/``index_copy_`` on 8-byte words): what the access
@@ -22,7 +23,8 @@ throughput ratios ext/plain and ext/memcpy from the same run. It also measures t
 memory of one ext offload + restore: everything allocated beyond the host copy
 it returns (CUDA: ``torch.cuda.max_memory_allocated`` on the pool's device; CPU:
 the CPU allocator's events from ``torch.profiler`` with ``profile_memory``),
-next to the size of one chunk, which it should stay within.
+next to the size of one chunk, which it should stay within (plus the page index itself:
+8 bytes a page for each of offload and restore).
 
     python -m bench.offload                  # table for a few shapes (CPU)
     python -m bench.offload --device cuda    # on a GPU machine
@@ -74,13 +76,19 @@ def _cpu_peak_extra(fn, kept_bytes_of) -> int:
     return max(0, peak - kept_bytes_of(result))
 
 
-def _cuda_peak_extra(fn, device) -> int:
+def _cuda_peak_extra(fn, device):
+    """(requested, allocated) peak bytes beyond those held before ``fn()``. Requested is what the
+    code asked the caching allocator for; allocated adds the allocator's own rounding (a request
+    served from a cached block up to 1 MiB larger counts that whole block)."""
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    before = torch.cuda.memory_stats(device)
     fn()
     _sync(device)
-    return torch.cuda.max_memory_allocated(device) - base
+    after = torch.cuda.memory_stats(device)
+    requested = after["requested_bytes.all.peak"] - before["requested_bytes.all.current"]
+    allocated = after["allocated_bytes.all.peak"] - before["allocated_bytes.all.current"]
+    return requested, allocated
 
 
 def measure_offload(
@@ -110,7 +118,8 @@ def measure_offload(
     # memcpy gets a source of its own: with a shared one, plain's source would be warmed by memcpy too,
     # while ext's (the pool) is touched by ext alone.
     memcpy_src = [s.clone() for s in src]
-    host = [torch.empty(request_pages, row_bytes, dtype=torch.uint8) for _ in range(layer_num)]
+    pinned = torch.device(device).type == "cuda"
+    host = [torch.empty(request_pages, row_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(layer_num)]
 
     def ext_round_trip():
         copy = retract.offload_index_k(pool, indices)
@@ -180,12 +189,17 @@ def measure_offload(
         statistics.median(timings[k]) for k in ("ext", "plain", "memcpy", "gather"))
 
     if torch.device(device).type == "cuda":
-        peak_extra = _cuda_peak_extra(ext_round_trip, device)
-        peak_method = "torch.cuda.max_memory_allocated (device)"
+        peak_extra, peak_allocated = _cuda_peak_extra(ext_round_trip, device)
+        peak_method = ("torch.cuda.memory_stats requested_bytes peak (device; allocated_bytes, with the caching "
+                       "allocator's rounding, in peak_extra_allocated_bytes)")
     else:
+        peak_allocated = None
         peak_extra = _cpu_peak_extra(ext_round_trip, lambda c: sum(t.nbytes for layer in c for t in layer))
         peak_method = "torch.profiler CPU allocator events, minus the returned host copy"
     one_chunk = peak_chunk_bytes(request_pages, chunk_rows, row_bytes)
+    # Besides the chunk, offload and restore each hold the request's page index on the pool's
+    # device (int64, 8 bytes a page: on an H100, 1.5-24 KiB for 128-2048 pages, 12 bytes a page).
+    index_bytes = 2 * 8 * request_pages
 
     return {
         "device": str(device),
@@ -209,8 +223,10 @@ def measure_offload(
         "ratio_gather": gather_med / ext_med,  # ext throughput / torch's gather+scatter of the same pages
         "gather_over_plain": plain_med / gather_med,  # the access pattern alone vs a contiguous copy
         "peak_extra_bytes": peak_extra,
+        "peak_extra_allocated_bytes": peak_allocated,
         "one_chunk_bytes": one_chunk,
-        "within_one_chunk": peak_extra <= one_chunk,
+        "index_bytes": index_bytes,
+        "within_one_chunk": peak_extra <= one_chunk + index_bytes,
         "peak_method": peak_method,
         "torch_threads": torch.get_num_threads(),
     }
@@ -221,6 +237,14 @@ DEFAULT_CASES = [
     dict(request_pages=256, chunk_tokens=None, scattered=True),  # 16k tokens, two chunks
     dict(request_pages=256, chunk_tokens=2048, scattered=True),  # 32-page chunks
     dict(request_pages=256, chunk_tokens=None, scattered=False),  # contiguous pages
+]
+
+
+# A long request (128k tokens: 2048 pages, 16 chunks of the default size), for a GPU, where the
+# default cases' 8-16 MiB are over in well under a millisecond and launch costs dominate.
+LARGE_CASES = [
+    dict(request_pages=2048, num_pages=4096, chunk_tokens=None, scattered=True),
+    dict(request_pages=2048, num_pages=4096, chunk_tokens=None, scattered=False),
 ]
 
 
@@ -250,11 +274,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a small shared box, more threads mostly add hand-off "
                          "cost; 0 keeps torch's default)")
+    ap.add_argument("--large", action="store_true", help="add two 128k-token cases (about 135 MiB each; for a GPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [measure_offload(layer_num=args.layers, repeats=args.repeats, device=args.device, **case)
-            for case in DEFAULT_CASES]
+            for case in DEFAULT_CASES + (LARGE_CASES if args.large else [])]
     import sglang_disagg_ext.releases as rel
 
     print(f"F5 index-key offload+restore vs plain copy; SGLang {rel.installed_sglang_version()}, "
@@ -262,6 +287,8 @@ def main(argv=None) -> int:
           f"{rows[0]['torch_threads']} torch threads, device {args.device}")
     print(format_table(rows))
     print(f"peak extra memory: {rows[0]['peak_method']}")
+    if rows[0]["peak_extra_allocated_bytes"] is not None:
+        print("peak extra allocated KiB: " + ", ".join(f'{r["peak_extra_allocated_bytes"] / 1024:.1f}' for r in rows))
     return 0 if all(r["within_one_chunk"] for r in rows) else 1
 
 

@@ -13,7 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends.mooncake_verify import _run_index, _slot_factors, rows_digest, span_digest  # noqa: E402
+from sglang_disagg_ext.backends.mooncake_verify import (  # noqa: E402
+    _device_totals,
+    _prepared_rows,
+    _run_index,
+    _slot_factors,
+    rows_digest,
+    rows_digests,
+    span_digest,
+)
 from sglang_disagg_ext.core import digest as dg  # noqa: E402
 
 M64 = (1 << 64) - 1
@@ -66,6 +74,48 @@ def test_rows_digest_gathers_pool_rows(device):
     assert rows_digest(pool.to(device), 0, 3, pages, index=index) == expected
     assert rows_digest(pool.to(device), 0, 3, pages, index=torch.tensor(index)) == expected
     assert rows_digest(pool.to(device), 0, 3, [], index=[]) == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_digests_in_one_call_match_the_reference(device):
+    # Several buffers in one call (one copy back on a device), in request order, with
+    # an empty request, an unaligned item width and a high buffer factor among them.
+    pool = _rows(12, 32, 2)
+    odd = _rows(3, 13, 3)
+    requests = [
+        (pool.to(device), 0, 3, [4, 0, 9], [5, 5, 1]),
+        (odd.to(device), 2, 0, [1, 2, 3], None),
+        (pool.to(device), 1, 7, [], []),
+        (pool[:2].to(device), 0, 60, [70000, 8], None),
+    ]
+    expected = [
+        _reference(pool[[5, 5, 1]], 0, 3, [4, 0, 9]),
+        _reference(odd, 2, 0, [1, 2, 3]),
+        0,
+        _reference(pool[:2], 0, 60, [70000, 8]),
+    ]
+    assert rows_digests(requests) == expected
+    assert rows_digests([]) == []
+
+
+@pytest.mark.timeout(30)
+def test_device_kernels_match_the_reference_on_cpu_tensors():
+    # The device path (torch int64, batched over requests) is plain torch: on CPU tensors it
+    # must give the reference's values too, so a machine without a GPU checks it as well.
+    pool = _rows(12, 32, 4)
+    odd = _rows(3, 13, 5)
+    cases = [(pool, 0, 3, [4, 0, 9], [5, 5, 1]), (odd, 2, 0, [1, 2, 3], None), (pool[:2], 0, 60, [70000, 8], None)]
+    items = []
+    for i, (rows, c, b, pages, index) in enumerate(cases):
+        prepared_rows, prepared_index = _prepared_rows(rows, index)
+        items.append((i, prepared_rows, prepared_index, _slot_factors(pages), dg.buffer_factor(c, b)))
+    expected = [
+        _reference(pool[[5, 5, 1]], 0, 3, [4, 0, 9]),
+        _reference(odd, 2, 0, [1, 2, 3]),
+        _reference(pool[:2], 0, 60, [70000, 8]),
+    ]
+    assert _device_totals(torch.device("cpu"), items) == expected
 
 
 @pytest.mark.timeout(30)

@@ -278,11 +278,12 @@ def _fill_random(pool, token_indices: torch.Tensor, rnd: _RandomBytes) -> None:
     rows = token_indices.long()
     pages = rows[:: pool.page_size] // pool.page_size
     for layer in range(pool.layer_num):
-        # Rows written as int64 words: the same bytes, far fewer elements to index.
+        # Rows written as int64 words: the same bytes, far fewer elements to index. The random
+        # bytes live on the host; a GPU pool takes them over (index_copy_ needs one device).
         kv = pool.kv_buffer[layer].view(torch.uint8).view(torch.int64)
-        kv.index_copy_(0, rows, rnd.take((len(rows),) + tuple(kv.shape[1:]), torch.int64))
+        kv.index_copy_(0, rows, rnd.take((len(rows),) + tuple(kv.shape[1:]), torch.int64).to(kv.device))
         ik = pool.index_k_with_scale_buffer[layer].view(torch.int64)
-        ik.index_copy_(0, pages, rnd.take((len(pages),) + tuple(ik.shape[1:]), torch.int64))
+        ik.index_copy_(0, pages, rnd.take((len(pages),) + tuple(ik.shape[1:]), torch.int64).to(ik.device))
 
 
 def _snapshot(pool, token_indices: torch.Tensor, n_tokens: int):
@@ -360,7 +361,9 @@ def run_retract_cycles(pool, allocator, cycles: int, seed: int = 0, path: str = 
     gen = torch.Generator().manual_seed(seed)
     rnd = _RandomBytes(gen)
     max_tokens = max_pages_a * pool.page_size
-    req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros((1, max_tokens), dtype=torch.int32))
+    # On the pool's device, as SGLang's ReqToTokenPool is: the offload gets device indices.
+    req_to_token_pool = types.SimpleNamespace(
+        req_to_token=torch.zeros((1, max_tokens), dtype=torch.int32, device=pool.kv_buffer[0].device))
     report = RetractReport()
     for cycle in range(cycles):
         n_pages_a = rng.randint(1, max_pages_a)
