@@ -60,6 +60,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import activation_log
 from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
+from sglang_disagg_ext.backends.mori_transfer_info import TransferInfoFailureMixin
 from sglang_disagg_ext.backends.shared import probe_prefill_version
 from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.state_blocks import mamba_slot_block, paged_byte_blocks
@@ -222,7 +223,7 @@ def _peer_address(payload: List[bytes]) -> Tuple[str, int]:
 # -- manager ----------------------------------------------------------------------------------
 
 
-class MoriExtKVManager(AuxRowCheckMixin, MoriKVManager):
+class MoriExtKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, MoriKVManager):
     """MoRI manager with per-component state, and F12's metadata-row checks
     (:class:`.mori_aux_rows.AuxRowCheckMixin`, F12 is live on 0.5.12.x too); see the module docstring."""
 
@@ -322,13 +323,17 @@ class MoriExtKVManager(AuxRowCheckMixin, MoriKVManager):
         ``send_metadata`` for one room (guard checked, payload unparsed), possibly
         before the scheduler created the room's sender. Mutate
         ``transfer_infos`` / status only under ``transfer_lock`` and never after
-        the room left Bootstrapping (a sender may be using them); never raise.
+        the room left Bootstrapping (a sender may be using them); never raise: a
+        message that cannot be handled fails its room on both sides
+        (:class:`~.mori_transfer_info.TransferInfoFailureMixin`, issue 15).
         """
         try:
-            info = MoriExtTransferInfo.from_zmq(payload)
-        except Exception:  # noqa: BLE001 - as stock
-            logger.exception("Failed to parse transfer info message")
-            return
+            self._accept_transfer_info(payload)
+        except Exception as exc:  # noqa: BLE001 - the bootstrap loop must survive it
+            self._fail_transfer_room(payload, exc)
+
+    def _accept_transfer_info(self, payload: List[bytes]) -> None:
+        info = MoriExtTransferInfo.from_zmq(payload)
         address = (info.endpoint, info.dst_port)
         if info.wire_error is not None:
             with self._refused_lock:

@@ -54,6 +54,8 @@ What this module changes:
   timeout (300 s by default). Here that room ends Failed on decode at once with
   the exception in the reason, counted in
   ``thread_recoveries_total{role="decode",thread="status_worker"}``.
+* **A decode's transfer message whose handling raises** (prefill, issue 15, every
+  release): :mod:`.mori_transfer_info`; that room ends Failed on both sides at once.
 
 With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
 waits for them (stock), so only the length check of the prefill path applies.
@@ -86,6 +88,7 @@ from sglang.srt.disaggregation.mori import conn as _conn
 
 from sglang_disagg_ext import activation_log, metrics, releases
 from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
+from sglang_disagg_ext.backends.mori_transfer_info import TransferInfoFailureMixin
 from sglang_disagg_ext.backends.shared import probe_prefill_version, register_appending
 from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.thread_survival import failure_reason as thread_failure_reason
@@ -107,7 +110,7 @@ def stock_registration_frames() -> int:
 REGISTRATION_ROOM = b"None"
 
 
-class MoriOrderedKVManager(AuxRowCheckMixin, _conn.MoriKVManager):
+class MoriOrderedKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, _conn.MoriKVManager):
     """Stock MoRI manager with F12 (every release but 0.5.12.x); see the module docstring."""
 
     def __init__(self, *args, **kwargs):

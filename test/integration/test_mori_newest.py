@@ -152,6 +152,31 @@ def test_decode_status_worker_fault_fails_the_room_at_once():
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(300)
+def test_prefill_transfer_message_fault_fails_the_room_on_both_sides():
+    """A decode's transfer message whose handling raises on prefill (test-only prefill hook
+    ``prefill_faults.raise_on_waiting_for_input``: prefill's ``update_status(1000, WaitingForInput)``,
+    the last step of ``_handle_transfer_message`` on the bootstrap thread, raises once). Stock logs
+    it and leaves room 1000 Bootstrapping: decode waits out SGLang's waiting timeout and is never
+    told; ``-ext`` (every release) fails room 1000 on prefill and tells that decode at once with the
+    exception in the reason, counts one recovery, and serves room 1001."""
+    _standin_or_skip()
+    from sglang_disagg_ext.selftest.harness.run import run_scenario
+
+    stock = run_scenario(f12.transfer_fault(), "mori", extra_env=f12.transfer_fault_env())
+    assert stock.prefill_manager == STOCK_MANAGER, stock.describe(logs=False)
+    assert f12.transfer_fault_stock_signature(stock), stock.describe(logs=False)
+
+    ext = run_scenario(f12.transfer_fault(), "mori-ext", extra_env=f12.transfer_fault_env())
+    # F12's class, or F3's on 0.5.12.x (it carries the same handling).
+    assert ext.prefill_manager == ext.decode_manager, ext.describe(logs=False)
+    assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori"), ext.describe(logs=False)
+    assert f12.transfer_fault_handled(ext), ext.describe(logs=False)
+    metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
+    assert metric in ext.plugin_metrics["prefill"], ext.plugin_metrics
+
+
+@pytest.mark.engine
 @needs_live
 @pytest.mark.timeout(300)
 def test_short_metadata_row_fails_on_both_sides():
@@ -259,19 +284,20 @@ def test_decode_checks_each_row_instead_of_dropping_or_overrunning(conn_modules)
 @pytest.mark.engine
 @pytest.mark.timeout(300)
 def test_selftest_rows_run_where_f12_is_live_and_say_why_not_elsewhere():
-    """The three F12 rows of ``selftest --backend mori``: where F12 is live stock reproduces (a
-    stale row; 4 stale bytes; a room held until the waiting timeout) and -ext passes, verified;
+    """The four F12 rows of ``selftest --backend mori``: where F12 is live stock reproduces (a
+    stale row; 4 stale bytes; a room held until the waiting timeout, twice) and -ext passes, verified;
     elsewhere every row is n/a naming F12's status."""
     from sglang_disagg_ext.selftest.harness.transport import TransferOptions
 
     rows = {r["scenario"]: r for r in f12.rows(options=TransferOptions(), names=list(f12.ROW_NAMES))}
-    assert set(rows) == {"mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault"}
+    assert set(rows) == {"mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault",
+                         "mori-transfer-message-fault"}
     for name, r in rows.items():
         assert r["fix"] == "F12" and r["backend"] == "mori", r
         if not LIVE:
             assert (r["stock"], r["ext"]) == ("n/a", "n/a") and f"F12 is {F12.value}" in r["not_run"], r
             continue
-        if LEGACY and name != "mori-aux-short-row":
+        if LEGACY and name not in ("mori-aux-short-row", "mori-transfer-message-fault"):
             assert (r["stock"], r["ext"]) == ("n/a", "n/a") and f"n/a on SGLang {POLICY.version}" in r["not_run"], r
             continue
         _standin_or_skip()

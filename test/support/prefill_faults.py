@@ -68,7 +68,8 @@ def raise_in_nixl_send_aux(mgr) -> None:
 
 def raise_on_waiting_for_input(mgr) -> None:
     """The bootstrap thread's ``update_status(room, WaitingForInput)`` raises: decode's
-    pre-alloc message for the room is registered, the handler fails before the room is ready."""
+    pre-alloc message for the room is registered, the handler fails before the room is ready.
+    On MoRI (every release) the call is the last step of ``_handle_transfer_message``."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     room, take, stock = _room(), _once(), mgr.update_status

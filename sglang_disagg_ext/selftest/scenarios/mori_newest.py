@@ -22,6 +22,8 @@ without it):
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from typing import Dict, List, Optional
@@ -36,7 +38,7 @@ RACE_REQUESTS = 200
 # The selftest row's share of the race (the test runs RACE_REQUESTS): with every row
 # message 30 ms late, stock shows a stale row from the first request on.
 ROW_REQUESTS = 20
-ROW_NAMES = ("mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault")
+ROW_NAMES = ("mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault", "mori-transfer-message-fault")
 DELAY_MS = 30
 SHORT_BUFFER, SHORT_BY = 1, 4
 HOOKS = "aux_wire.py"
@@ -120,17 +122,22 @@ def status_fault() -> Scenario:
     )
 
 
-def status_fault_env() -> Dict[str, str]:
-    """The stand-in, metadata rows through the engine (the status-worker fault, not F12's race,
-    is what this scenario is about), and the decode hook."""
+def _fault_env(variable: str, hook: str) -> Dict[str, str]:
+    """The stand-in, metadata rows through the engine (a thread fault, not F12's race, is what
+    these scenarios are about), and one hook of test/support/prefill_faults.py in ``variable``."""
     from sglang_disagg_ext.selftest.harness.run import fault_hooks_path
 
     path = fault_hooks_path()
     if path is None:
         raise RuntimeError("the fault hooks live in a source checkout (test/support/prefill_faults.py); none here")
     out = mori_rows.standin_env(aux_rdma=True)
-    out["SGLANG_HARNESS_DECODE_MANAGER_HOOK"] = f"{path}:{STATUS_FAULT_HOOK}"
+    out[variable] = f"{path}:{hook}"
     return out
+
+
+def status_fault_env() -> Dict[str, str]:
+    """:func:`_fault_env` with the decode hook."""
+    return _fault_env("SGLANG_HARNESS_DECODE_MANAGER_HOOK", STATUS_FAULT_HOOK)
 
 
 def status_worker_survived(result) -> bool:
@@ -151,6 +158,62 @@ def status_fault_stock_signature(result) -> bool:
         (bad.prefill_status, bad.decode_status) == ("Success", "Failed")
         and "timed out" in (bad.decode_failure_reason or "")
         and bad.decode_seconds is not None and bad.decode_seconds >= waited - 0.5
+        and (good.prefill_status, good.decode_status) == ("Success", "Success")
+    )
+
+
+# -- the prefill bootstrap thread (issue 15: a decode's transfer message whose handling raises) --------
+# Prefill hook in test/support/prefill_faults.py: prefill's update_status(1000, WaitingForInput),
+# the last step of _handle_transfer_message on the bootstrap thread, raises once.
+TRANSFER_FAULT_HOOK = "raise_on_waiting_for_input"
+TRANSFER_FAULT = "injected fault: bootstrap message handler for room 1000"
+TRANSFER_FAULT_REASON = (
+    f"mori-ext prefill bootstrap thread: decode's transfer message raised InjectedFault: {TRANSFER_FAULT}; "
+    "the room is failed, the thread keeps serving"
+)
+
+
+def transfer_fault() -> Scenario:
+    """As :func:`status_fault`: two requests, the first one's transfer message meets the fault."""
+    scn = status_fault()
+    return dataclasses.replace(scn, name="mori prefill transfer message handler raises")
+
+
+def transfer_fault_env() -> Dict[str, str]:
+    """:func:`_fault_env` with the prefill hook."""
+    return _fault_env("SGLANG_HARNESS_PREFILL_HOOK", TRANSFER_FAULT_HOOK)
+
+
+def transfer_fault_handled(result) -> bool:
+    """-ext: room 1000 Failed on prefill with :data:`TRANSFER_FAULT_REASON` and on decode, told with
+    that reason within :data:`FAILED_WITHIN_S`, nothing written outside its pages; room 1001
+    Success with every byte checked (the bootstrap thread served it); no thread died."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    return (
+        (bad.prefill_status, bad.decode_status) == ("Failed", "Failed")
+        and TRANSFER_FAULT_REASON in (bad.prefill_failure_reason or "")
+        and TRANSFER_FAULT_REASON in (bad.decode_failure_reason or "")
+        and bad.decode_seconds is not None and bad.decode_seconds < FAILED_WITHIN_S
+        and not any("must be untouched" in m for m in bad.mismatches)
+        and good.ok
+        and not any(r.thread_errors for r in result.requests)
+    )
+
+
+def transfer_fault_stock_signature(result) -> bool:
+    """Stock: room 1000 held on decode until SGLang's waiting timeout (prefill logged the exception
+    and left the room Bootstrapping; decode is never told); room 1001 Success (the loop went on)."""
+    if result.error or len(result.requests) != 2:
+        return False
+    bad, good = result.requests
+    waited = STATUS_FAULT_TIMEOUTS.sglang_waiting_s
+    return (
+        bad.decode_status == "Failed"
+        and "timed out" in (bad.decode_failure_reason or "")
+        and bad.decode_seconds is not None and bad.decode_seconds >= waited - 0.5
+        and bad.prefill_status != "Success"
         and (good.prefill_status, good.decode_status) == ("Success", "Success")
     )
 
@@ -202,6 +265,9 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
       request Success with every byte verified;
     * ``mori-aux-short-row``: a 60-byte prefill row for decode's 64-byte row; stock
       Success with a stale tail, ``-ext`` Failed on both sides naming buffer, row and sizes;
+    * ``mori-transfer-message-fault`` (every release): prefill's handling of decode's transfer
+      message for room 1000 raises once; stock leaves the room to decode's waiting timeout,
+      -ext fails it on both sides at once and serves room 1001.
     * ``mori-status-worker-fault``: decode's handling of room 1000's Success raises once; stock
       holds the room until the waiting timeout, ``-ext`` fails it at once, room 1001 served.
 
@@ -296,6 +362,23 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
             stock_expected="fail (room held on decode until the waiting timeout)", stock_reproduced=reproduced,
             stock_detail=None if reproduced else stock.describe(logs=False),
             detail="-ext: the room Failed on decode at once with the exception; the next room served",
+            ext_detail=None if ext_ok else ext.describe(logs=False),
+        ))
+    if "mori-transfer-message-fault" in wanted:  # every release (F3's class carries it on 0.5.12.x)
+        start = time.monotonic()
+        from sglang_disagg_ext.selftest.harness.run import run_scenario
+
+        stock = run_scenario(transfer_fault(), "mori", timeout_s=timeout_s, extra_env=transfer_fault_env())
+        ext = run_scenario(transfer_fault(), "mori-ext", timeout_s=timeout_s, extra_env=transfer_fault_env())
+        reproduced = transfer_fault_stock_signature(stock)
+        ext_ok = transfer_fault_handled(ext)
+        rows.append(row(
+            "mori-transfer-message-fault", "fail" if reproduced or not stock.ok else "pass",
+            "pass" if ext_ok else "fail", ext_ok and reproduced, time.monotonic() - start,
+            stock_expected="fail (room held on decode until the waiting timeout, decode never told)",
+            stock_reproduced=reproduced,
+            stock_detail=None if reproduced else stock.describe(logs=False),
+            detail="-ext: the room Failed on prefill and decode at once with the exception; the next room served",
             ext_detail=None if ext_ok else ext.describe(logs=False),
         ))
     return rows
