@@ -13,6 +13,8 @@ with ``--threads`` above 1):
   totals come back to the host in one copy;
 * **digest_each** (device only): the same, one ``rows_digest`` call (one copy back, so
   one synchronisation) per buffer, as the verified path did before;
+* **digest_torch** (device only): ``rows_digests`` with the fused Triton kernel switched off
+  (three torch kernels per buffer), as where Triton cannot be imported;
 * **gather**: ``index_select`` of the same pages into a preallocated tensor (one
   read and one write of the bytes: what a transfer's source side costs at least).
 
@@ -35,6 +37,7 @@ import time
 import torch
 
 from bench import shapes
+from sglang_disagg_ext.backends import mooncake_verify
 from sglang_disagg_ext.backends.mooncake_verify import rows_digest, rows_digests
 from sglang_disagg_ext.core import digest as dg
 
@@ -62,6 +65,14 @@ def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, prof
     def digest():
         return dg.combine(rows_digests([(buf, dg.KV_COMPONENT, b, dst_pages, src) for b, buf in enumerate(buffers)]))
 
+    def digest_torch():
+        built = mooncake_verify._KERNEL
+        mooncake_verify._KERNEL = False  # "no Triton here": the torch kernels
+        try:
+            return digest()
+        finally:
+            mooncake_verify._KERNEL = built
+
     def digest_each():
         return dg.combine(rows_digest(buf, dg.KV_COMPONENT, b, dst_pages, index=src) for b, buf in enumerate(buffers))
 
@@ -72,7 +83,8 @@ def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, prof
     runs = {"digest": digest, "gather": gather}
     if device.type != "cpu":
         runs["digest_each"] = digest_each
-    assert all(fn() == digest() for fn in (digest, digest_each))  # same value both ways
+        runs["digest_torch"] = digest_torch
+    assert all(fn() == digest() for fn in (digest, digest_each, digest_torch))  # same value every way
     gather()  # weights cached, allocator warm
     times = {name: [] for name in runs}
     names = list(runs)
@@ -123,6 +135,8 @@ def main(argv=None) -> int:
     if "digest_each" in times:
         e = statistics.median(times["digest_each"])
         print(f"  digest_each (one copy back per buffer): median {e * 1e3:.2f} ms; digest_each / digest: {e / d:.2f}")
+        t = statistics.median(times["digest_torch"])
+        print(f"  digest_torch (torch kernels, no Triton): median {t * 1e3:.2f} ms; digest_torch / digest: {t / d:.2f}")
     if args.transfer_ms:
         print(f"  digest / transfer ({args.transfer_ms} ms): {d * 1e3 / args.transfer_ms:.2f} per side")
     return 0

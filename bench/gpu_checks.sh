@@ -11,6 +11,7 @@
 # and run there (the device tool: carry .whl):
 #
 #   bash bench/gpu_checks.sh             # logs under $OUT (or /tmp/gpu_checks)
+#   bash bench/gpu_checks.sh digest      # the kernel tests and the steps named digest* only
 #
 # What runs (each step bounded, each log kept, one line "=== <step> rc=N" per step):
 #   verify_kernels  test/unit/test_verify_kernels.py: the digest's CUDA kernels (torch int64)
@@ -64,8 +65,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.l
 python3 -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__, \
   torch.cuda.get_device_name(0))"
 
+ONLY=${1:-}  # a step-name prefix: run only those steps (e.g. "digest"); none: every step
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  case "$name" in "$ONLY"*) ;; *) [ -n "$ONLY" ] && [ "$name" != verify_kernels ] && return ;; esac
   echo "=== $name: $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?

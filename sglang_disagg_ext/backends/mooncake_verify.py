@@ -273,12 +273,13 @@ def rows_digests(requests) -> List[int]:
 
 
 def _prepared_rows(rows: torch.Tensor, index):
-    """``(rows, index)`` ready for the digest kernels (int64 index on the rows' device; rows
-    contiguous, 8-byte aligned and a multiple of 8 bytes wide), or None if no item is placed."""
+    """``(rows, index)`` ready for the digest kernels (int64 index, on the host unless it came as
+    a device tensor; rows contiguous, 8-byte aligned and a multiple of 8 bytes wide), or None if
+    no item is placed."""
     if index is not None:
         if not isinstance(index, torch.Tensor):
             index = torch.from_numpy(np.asarray(index, dtype=np.int64).reshape(-1))
-        index = index.to(device=rows.device, dtype=torch.int64)
+        index = index.to(dtype=torch.int64)  # where it is: a host index goes over with the rest
         if index.numel() == 0:
             return None
     elif rows.shape[0] == 0:
@@ -289,7 +290,7 @@ def _prepared_rows(rows: torch.Tensor, index):
         # Zero-padded tail (the definition's) and an aligned, contiguous copy: rare
         # (KV, state and aux items are multiples of 8 bytes, pools are aligned).
         if index is not None:
-            rows, index = rows.index_select(0, index), None
+            rows, index = rows.index_select(0, index.to(rows.device)), None
         padded = torch.zeros((rows.shape[0], item_len + pad), dtype=torch.uint8, device=rows.device)
         padded[:, :item_len] = rows
         rows = padded
@@ -300,10 +301,12 @@ def _device_totals(device: torch.device, items) -> List[int]:
     """Digests of ``items`` (``(i, rows, index, slot factors, buffer factor)``, rows on
     ``device``) with torch int64 arithmetic, whose products and sums wrap mod 2**64 like the
     uint64 definition (two's complement). Runs on any device (the unit tests use CPU)."""
+    if device.type == "cuda" and _digest_kernel() is not None:
+        return _kernel_totals(device, items)
     sums = []
     for _, rows, index, _, _ in items:
         if index is not None:
-            rows = rows.index_select(0, index)
+            rows = rows.index_select(0, index.to(device))
         w = _weights(device, rows.shape[1] // dg.WORD_BYTES, True)
         if isinstance(w, np.ndarray):  # CPU's cached weights are numpy uint64: the same bits as int64
             w = torch.from_numpy(w.view(np.int64))
@@ -321,6 +324,95 @@ def _device_totals(device: torch.device, items) -> List[int]:
     weighed = torch.cat(sums) * factors[:n]
     totals = torch.zeros(k, dtype=torch.int64, device=device).index_add_(0, factors[n:2 * n], weighed)
     totals *= factors[2 * n:]
+    return totals.cpu().numpy().view(np.uint64).tolist()
+
+
+_KERNEL = None
+_KERNEL_LOCK = threading.Lock()
+_KERNEL_MAX_BLOCK = 1024  # words per step of one item (8 KiB)
+
+
+def _digest_kernel():
+    """The fused digest kernel (Triton), built on first use; None where Triton cannot be imported
+    (then the torch kernels above serve). One program per item: it reads the item's words from
+    its pool row (pool address, words per row and row number from tables), weighs and sums them
+    in wrapping int64, and stores that sum times the item's page factor (slot x buffer): gather,
+    weigh and sum of every buffer of a call in one launch."""
+    global _KERNEL
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            try:
+                import triton
+                import triton.language as tl
+            except ImportError:
+                _KERNEL = False
+                return None
+
+            @triton.jit
+            def item_digests(bases, words, index, request, weights, factors, out, BLOCK: tl.constexpr):
+                i = tl.program_id(0)
+                r = tl.load(request + i)
+                base = tl.load(bases + r).to(tl.pointer_type(tl.int64))
+                n_words = tl.load(words + r)
+                row = tl.load(index + i)
+                acc = tl.zeros((BLOCK,), dtype=tl.int64)
+                for start in range(0, n_words, BLOCK):
+                    j = start + tl.arange(0, BLOCK)
+                    inside = j < n_words
+                    x = tl.load(base + row * n_words + j, mask=inside, other=0)
+                    acc += x * tl.load(weights + j, mask=inside, other=0)
+                tl.store(out + i, tl.sum(acc, axis=0) * tl.load(factors + i))
+
+            _KERNEL = (item_digests, triton.next_power_of_2)
+        return _KERNEL or None
+
+
+def _kernel_totals(device: torch.device, items) -> List[int]:
+    """:func:`_device_totals` through :func:`_digest_kernel`: the row numbers, requests, page
+    factors, pool addresses and row widths of every item go over in one host-to-device copy, one
+    launch digests every item, one ``index_add_`` sums them per request, one copy brings the
+    totals back. ``rows`` stay referenced by ``items`` until then."""
+    kernel, next_power_of_2 = _digest_kernel()
+    counts = [index.numel() if index is not None else rows.shape[0] for _, rows, index, _, _ in items]
+    n, k = sum(counts), len(items)
+    host_index = np.empty(n, dtype=np.int64)
+    on_device = []  # (offset, count, index) of row numbers already on the device
+    factors = []
+    offset = 0
+    for (_, rows, index, slots, bf), count in zip(items, counts):
+        if index is None:
+            host_index[offset:offset + count] = np.arange(count)
+        elif index.device.type == "cpu":
+            host_index[offset:offset + count] = index.numpy()
+        else:
+            on_device.append((offset, count, index))
+        with np.errstate(over="ignore"):  # page factor = slot factor x buffer factor, mod 2**64
+            factors.append(slots * np.uint64(bf))
+        offset += count
+    widths = [rows.shape[1] // dg.WORD_BYTES for _, rows, _, _, _ in items]
+    host = np.concatenate([
+        host_index,
+        np.repeat(np.arange(k, dtype=np.int64), counts),
+        np.concatenate(factors).view(np.int64),
+        np.array([rows.data_ptr() for _, rows, _, _, _ in items], dtype=np.int64),
+        np.array(widths, dtype=np.int64),
+    ])
+    host_t = torch.from_numpy(host)
+    if device.type == "cuda":
+        host_t = host_t.pin_memory()
+    table = host_t.to(device, non_blocking=True)
+    index_d, request_d, factors_d = table[:n], table[n:2 * n], table[2 * n:3 * n]
+    bases_d, words_d = table[3 * n:3 * n + k], table[3 * n + k:]
+    for offset, count, index in on_device:
+        index_d[offset:offset + count].copy_(index)
+    longest = max(widths)
+    weights = _weights(device, longest, True)
+    if isinstance(weights, np.ndarray):  # CPU (the interpreter in the unit tests)
+        weights = torch.from_numpy(weights.view(np.int64))
+    per_item = torch.empty(n, dtype=torch.int64, device=device)
+    kernel[(n,)](bases_d, words_d, index_d, request_d, weights, factors_d, per_item,
+                 BLOCK=min(_KERNEL_MAX_BLOCK, next_power_of_2(longest)))
+    totals = torch.zeros(k, dtype=torch.int64, device=device).index_add_(0, request_d, per_item)
     return totals.cpu().numpy().view(np.uint64).tolist()
 
 

@@ -8,6 +8,12 @@ and slices that start or end inside a word; and spans must compose into the
 whole-item digest.
 """
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -15,7 +21,6 @@ torch = pytest.importorskip("torch")
 
 from sglang_disagg_ext.backends.mooncake_verify import (  # noqa: E402
     _device_totals,
-    _prepared_rows,
     _run_index,
     _slot_factors,
     rows_digest,
@@ -99,23 +104,42 @@ def test_rows_digests_in_one_call_match_the_reference(device):
     assert rows_digests([]) == []
 
 
+_SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "support"
+
+
+def _kernel_expected():
+    sys.path.insert(0, str(_SUPPORT))
+    try:
+        import digest_kernel_cases as kc
+    finally:
+        sys.path.remove(str(_SUPPORT))
+    expected = []
+    for r, c, b, pages, index in kc.cases():
+        picked = r if index is None else r[[int(x) for x in index]]
+        expected.append(_reference(picked, c, b, pages))
+    return kc, expected
+
+
+@pytest.mark.timeout(180)
+def test_fused_kernel_matches_the_reference_in_tritons_interpreter():
+    # The Triton kernel a GPU runs, here through Triton's CPU interpreter in a child process
+    # (test/support/digest_kernel_cases.py says why a child): one launch over requests of
+    # different widths, a host index, no index, a device-side index and an item longer than one
+    # step. On a GPU the CUDA cases of this file run it compiled (rows_digests on CUDA).
+    pytest.importorskip("triton")
+    _, expected = _kernel_expected()
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(_SUPPORT / "digest_kernel_cases.py")], env=env,
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
 @pytest.mark.timeout(30)
-def test_device_kernels_match_the_reference_on_cpu_tensors():
-    # The device path (torch int64, batched over requests) is plain torch: on CPU tensors it
-    # must give the reference's values too, so a machine without a GPU checks it as well.
-    pool = _rows(12, 32, 4)
-    odd = _rows(3, 13, 5)
-    cases = [(pool, 0, 3, [4, 0, 9], [5, 5, 1]), (odd, 2, 0, [1, 2, 3], None), (pool[:2], 0, 60, [70000, 8], None)]
-    items = []
-    for i, (rows, c, b, pages, index) in enumerate(cases):
-        prepared_rows, prepared_index = _prepared_rows(rows, index)
-        items.append((i, prepared_rows, prepared_index, _slot_factors(pages), dg.buffer_factor(c, b)))
-    expected = [
-        _reference(pool[[5, 5, 1]], 0, 3, [4, 0, 9]),
-        _reference(odd, 2, 0, [1, 2, 3]),
-        _reference(pool[:2], 0, 60, [70000, 8]),
-    ]
-    assert _device_totals(torch.device("cpu"), items) == expected
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_path_matches_the_reference(device):
+    kc, expected = _kernel_expected()
+    assert _device_totals(torch.device(device), kc.items(device)) == expected
 
 
 @pytest.mark.timeout(30)
