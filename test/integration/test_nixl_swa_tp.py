@@ -299,5 +299,8 @@ def test_decode_abort_does_not_end_the_bootstrap_thread():
     lost, after = ext.requests
     assert _timed_out(lost.decode_failure_reason, "WaitingForInput"), ext.describe()
     assert lost.prefill_failure_reason == N.ABORT_REASON, ext.describe()
+    # The lost room's chunks were never queued: no page outside its own was written (the harness checks
+    # every page no request targets against its sentinel).
+    assert not any("must be untouched" in m for m in lost.mismatches), ext.describe()
     assert after.ok and after.bytes_verified and after.decode_status == "Success", ext.describe()
     assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
