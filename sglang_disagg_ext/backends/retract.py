@@ -176,8 +176,8 @@ def offload_rows(buffers: Sequence[torch.Tensor], rows, chunk_rows: int, layer_n
     """Copy ``buffers[layer][rows]`` to the host, per layer, ``chunk_rows`` rows at a time.
 
     Each stored chunk has the buffer's own dtype and row shape (the base class's
-    layout). The chunks are row slices of one new host tensor (one per layer if the
-    layers' rows differ). On a CPU pool that tensor is the copy itself: one gather
+    layout). The chunks are row slices of one new host tensor per layer. On a CPU pool
+    that tensor is the copy itself: one gather
     per layer writes straight into it, with no temporary. On a device pool each chunk
     is gathered on the device and copied into the (pinned) host tensor; the gathered
     chunk is dropped as soon as its copy is issued, so at most one chunk is in flight
@@ -189,14 +189,15 @@ def offload_rows(buffers: Sequence[torch.Tensor], rows, chunk_rows: int, layer_n
         return []
     first = buffers[0]
     index = _row_index(rows, first.device)
-    alike = all(
-        buffers[i].dtype == first.dtype and buffers[i].shape[1:] == first.shape[1:] for i in range(1, layer_num)
-    )
-    hosts = _host_rows(first, (layer_num, n_rows)) if alike else None
     out: List[List[torch.Tensor]] = []
     for layer_id in range(layer_num):
         buf = buffers[layer_id]
-        host = hosts[layer_id] if alike else _host_rows(buf, (n_rows,))
+        # One host tensor per layer, not one for all layers: a single allocation of every layer's
+        # rows (138 MB for 2048 index-key pages x 8 layers) comes fresh from the OS on each offload,
+        # and gathering into it ran at 1.5 GB/s on this project's CPU machine (89 ms against 16 ms
+        # into per-layer tensors, which the allocator serves from memory it already has, as it does
+        # the per-layer tensors of stock's plain copy).
+        host = _host_rows(buf, (n_rows,))
         wide = _wide_view(buf)
         host_wide = host.view(wide.dtype)
         idx = index if buf.device == index.device else index.to(buf.device)
