@@ -6,7 +6,7 @@ the bench's shapes (``bench.shapes``: 4 layers, K and V buffers, 64-token pages,
 and per sample in thread CPU time (wall time on CUDA, after a synchronize, and
 with ``--threads`` above 1):
 
-* **digest**: ``mooncake_verify.rows_digests`` over every page of every buffer in one
+* **digest**: ``digest_kernels.rows_digests`` over every page of every buffer in one
   call, the pages gathered out of the pool by index inside it (decode's path before
   Success, and prefill's for a chunk whose pages are not one contiguous run; a
   contiguous run is digested in place, without the gather); on a device the buffers'
@@ -37,8 +37,8 @@ import time
 import torch
 
 from bench import shapes
-from sglang_disagg_ext.backends import mooncake_verify
-from sglang_disagg_ext.backends.mooncake_verify import rows_digest, rows_digests
+from sglang_disagg_ext.backends import digest_kernels
+from sglang_disagg_ext.backends.digest_kernels import rows_digest, rows_digests
 from sglang_disagg_ext.core import digest as dg
 
 
@@ -66,12 +66,12 @@ def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, prof
         return dg.combine(rows_digests([(buf, dg.KV_COMPONENT, b, dst_pages, src) for b, buf in enumerate(buffers)]))
 
     def digest_torch():
-        built = mooncake_verify._KERNEL
-        mooncake_verify._KERNEL = False  # "no Triton here": the torch kernels
+        built = digest_kernels._KERNEL
+        digest_kernels._KERNEL = False  # "no Triton here": the torch kernels
         try:
             return digest()
         finally:
-            mooncake_verify._KERNEL = built
+            digest_kernels._KERNEL = built
 
     def digest_each():
         return dg.combine(rows_digest(buf, dg.KV_COMPONENT, b, dst_pages, index=src) for b, buf in enumerate(buffers))

@@ -57,9 +57,12 @@ import contextlib
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from sglang_disagg_ext import metrics, releases
+from sglang_disagg_ext import metrics, releases, verification
+from sglang_disagg_ext.backends.digest_kernels import rows_digests
+from sglang_disagg_ext.core import digest as dg
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, page_chunk_rows, page_starts, restore_bounds
 
 logger = logging.getLogger("sglang_disagg_ext")
@@ -141,8 +144,6 @@ def _row_item_dtype(row_bytes: int):
     """NumPy's opaque ``void`` dtype of ``row_bytes`` bytes (built once per size: building one is slow)."""
     dtype = _row_item_dtypes.get(row_bytes)
     if dtype is None:
-        import numpy as np
-
         dtype = _row_item_dtypes[row_bytes] = np.dtype((np.void, row_bytes))
     return dtype
 
@@ -270,14 +271,17 @@ class NSACpuCopy(list):
 
     The list itself is the base class's layout (``MLATokenToKVPool.get_cpu_copy``):
     one list of KV chunks per layer. ``index_k`` holds the index-key/scale page
-    chunks in the same per-layer, per-chunk shape.
+    chunks in the same per-layer, per-chunk shape. ``digests``: with verification
+    on, :func:`retract_digests` of the pool at offload time, else None.
     """
 
-    __slots__ = ("index_k",)
+    __slots__ = ("index_k", "digests")
 
-    def __init__(self, kv: List[List[torch.Tensor]], index_k: List[List[torch.Tensor]]):
+    def __init__(self, kv: List[List[torch.Tensor]], index_k: List[List[torch.Tensor]],
+                 digests: Optional[Dict[Tuple[str, int], int]] = None):
         super().__init__(kv)
         self.index_k = index_k
+        self.digests = digests
 
     @property
     def kv(self) -> List[List[torch.Tensor]]:
@@ -285,6 +289,51 @@ class NSACpuCopy(list):
 
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self for t in layer) + sum(t.nbytes for layer in self.index_k for t in layer)
+
+
+# -- verified retract/resume (issue 16, SGLANG_DISAGG_EXT_VERIFY=1) -------------------------------------
+# The request's KV rows and index-key pages are digested (``core.digest``, on the pool's device) where
+# they are when offloaded and again where the resume put them; each item is placed by its position in
+# the request, so the two agree exactly when every byte came back to its place. A resume has no failure
+# path in SGLang (``load_cpu_copy`` returns nothing and the scheduler goes on), so a mismatch is logged
+# naming the component and layer and counted; it cannot fail the request.
+
+_RETRACT_COMPONENTS = {"kv": dg.KV_COMPONENT, "index_k": dg.STATE_COMPONENT_BASE}
+
+
+def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+
+def retract_digests(pool, indices, with_index_k: bool = True) -> Dict[Tuple[str, int], int]:
+    """``{(component, layer): digest}`` of the request's KV rows under token ``indices`` and
+    (``with_index_k``) its index-key pages, each item placed at its position in the request."""
+    rows = torch.as_tensor(indices).to(dtype=torch.int64)
+    pages = torch.as_tensor(page_starts(indices, pool.page_size)).to(dtype=torch.int64)
+    keys, requests = [], []
+    for layer in range(pool.layer_num):
+        keys.append(("kv", layer))
+        requests.append((_byte_rows(pool.kv_buffer[layer]), _RETRACT_COMPONENTS["kv"], layer,
+                         np.arange(rows.numel()), rows))
+        if with_index_k:
+            keys.append(("index_k", layer))
+            requests.append((_byte_rows(pool.index_k_with_scale_buffer[layer]), _RETRACT_COMPONENTS["index_k"],
+                             layer, np.arange(pages.numel()), pages))
+    return dict(zip(keys, rows_digests(requests)))
+
+
+def check_resume(offloaded: Dict[Tuple[str, int], int], resumed: Dict[Tuple[str, int], int]) -> bool:
+    """Compare the offload's digests with the resume's; log and count each mismatch. True if all agree."""
+    bad = [key for key in offloaded if resumed.get(key) != offloaded[key]]
+    for component, layer in bad:
+        metrics.count("verify_mismatches_total", component=f"retract_{component}")
+        logger.error(
+            "sglang-disagg-ext verified retract: the resumed request's %s layer %d differs from what was "
+            "offloaded (digest 0x%016x offloaded, 0x%016x after resume)",
+            component, layer, offloaded[(component, layer)], resumed.get((component, layer), 0),
+        )
+    metrics.count("verified_transfers_total", result="retract_mismatch" if bad else "retract_ok")
+    return not bad
 
 
 def _split_cpu_copy(value) -> Tuple[Sequence, Optional[Sequence]]:
@@ -335,9 +384,11 @@ def nsa_get_cpu_copy(self, indices, mamba_indices=None, **kwargs):
     synchronize_device(device)  # writes of the last forward pass must land first
     kv = offload_rows(self.kv_buffer, indices, self.cpu_offloading_chunk_size, self.layer_num)
     index_k = offload_index_k(self, indices)
+    # With verification on (issue 16), what the request's rows and pages hold now, to check the resume against.
+    digests = retract_digests(self, indices) if verification.enabled() else None
     synchronize_device(device)  # host copies complete before the caller frees the slots
     metrics.count("retract_offloads_total")
-    return NSACpuCopy(kv, index_k)
+    return NSACpuCopy(kv, index_k, digests)
 
 
 def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs):
@@ -365,6 +416,9 @@ def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs)
     else:
         restore_index_k(self, index_k, indices)
     synchronize_device(device)  # host chunks stay alive until the copies are done
+    offloaded = getattr(kv_cache_cpu, "digests", None)
+    if offloaded is not None:
+        check_resume(offloaded, retract_digests(self, indices, with_index_k=index_k is not None))
 
 
 def _nsa_clear_buffers(self):

@@ -397,3 +397,55 @@ def test_index_key_pool_class_per_release():
         pytest.skip(f"n/a: no hand-read pool class for SGLang {POLICY.version}")
     assert releases.index_key_pool_class().__name__ == want
     assert type(f5.build_nsa_pool(layer_num=1, num_pages=2)).__name__ == want
+
+
+def _mismatches(component: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sglang_disagg_ext_verify_mismatches_total",
+                                     {"component": f"retract_{component}"}) or 0.0
+
+
+@needs_nsa_hooks
+@pytest.mark.timeout(120)
+def test_verified_resume_names_a_byte_that_changed(monkeypatch, caplog):
+    """Issue 16 (retract/resume), CPU pool, the plugin's F5 hooks: with SGLANG_DISAGG_EXT_VERIFY=1 the
+    offload records digests of the request's KV rows and index-key pages and the resume checks the
+    restored ones against them (each item placed by its position in the request). A round trip to
+    other slots agrees; one byte changed in the host copy of index-key layer 1 between retract and
+    resume (host memory going bad, or a copy read after reuse) is logged naming that component and
+    layer and counted; without verification the same change passes silently. A resume cannot fail
+    the request in SGLang (``load_cpu_copy`` has no failure path), so logging and counting is it."""
+    from sglang_disagg_ext.verification import VERIFY_ENV
+
+    pool = f5.build_nsa_pool(layer_num=2, num_pages=8)
+    gen = torch.Generator().manual_seed(7)
+    for layer in range(pool.layer_num):
+        for buf in (pool.kv_buffer[layer], pool.index_k_with_scale_buffer[layer]):
+            raw = buf.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    first = torch.arange(64, 64 + 150)  # pages 1-3, the last one partly used
+    second = torch.arange(320, 320 + 150)  # pages 5-7
+    caplog.set_level("ERROR", logger="sglang_disagg_ext")
+    with retract.retract_fixes(True):
+        monkeypatch.setenv(VERIFY_ENV, "1")
+        copy = pool.get_cpu_copy(first)
+        assert set(copy.digests) == {("kv", 0), ("index_k", 0), ("kv", 1), ("index_k", 1)}
+        pool.load_cpu_copy(copy, second)  # resumed into other slots: every byte in its place
+        assert not [r for r in caplog.records if "verified retract" in r.getMessage()]
+
+        before = _mismatches("index_k"), _mismatches("kv")
+        copy = pool.get_cpu_copy(second)
+        copy.index_k[1][0][2, 5] ^= 0x01  # index-key layer 1, the request's third page, byte 5
+        pool.load_cpu_copy(copy, first)
+        errors = [r.getMessage() for r in caplog.records if "verified retract" in r.getMessage()]
+        assert len(errors) == 1 and "index_k layer 1 differs from what was offloaded" in errors[0], errors
+        assert (_mismatches("index_k"), _mismatches("kv")) == (before[0] + 1, before[1])
+
+        caplog.clear()
+        monkeypatch.delenv(VERIFY_ENV)
+        copy = pool.get_cpu_copy(first)
+        assert copy.digests is None
+        copy.index_k[1][0][2, 5] ^= 0x01
+        pool.load_cpu_copy(copy, second)
+        assert not [r for r in caplog.records if "verified retract" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""backends.mooncake_verify's digest kernels agree with core.digest's byte-by-byte reference.
+"""backends.digest_kernels agree with core.digest's byte-by-byte reference.
 
 The reference (``core.digest.item_digest``) is checked by hand in test_digest.py;
 here the pool-side kernels (64-bit words through numpy ``einsum`` on CPU, torch
@@ -19,9 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends.mooncake_verify import (  # noqa: E402
+from sglang_disagg_ext.backends.digest_kernels import (  # noqa: E402
     _device_totals,
-    _run_index,
+    run_index,
     _slot_factors,
     rows_digest,
     rows_digests,
@@ -215,5 +215,5 @@ def test_spans_compose_into_whole_items(item_len):
 
 @pytest.mark.timeout(10)
 def test_run_index_expands_runs():
-    assert _run_index([5, 0, 9], [2, 1, 3]).tolist() == [5, 6, 0, 9, 10, 11]
-    assert _run_index([4], [1]).tolist() == [4]
+    assert run_index([5, 0, 9], [2, 1, 3]).tolist() == [5, 6, 0, 9, 10, 11]
+    assert run_index([4], [1]).tolist() == [4]

@@ -1,0 +1,335 @@
+"""Digest kernels: ``core.digest``'s definition computed over pool rows on the rows' own device.
+
+Used by the verified-transfer paths (``mooncake_verify``: prefill's source blocks at their
+destination placement, decode's landed pages) and by F5's retract check (``retract``). No
+SGLang import. ``rows_digests`` is the entry for whole items (numpy on CPU; on a device one
+fused Triton kernel per call, or torch kernels where Triton is missing); ``span_digest`` for
+byte ranges that are not whole items (head slices).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sglang_disagg_ext.core import digest as dg
+
+# # Whole items go through the 64-bit word path (``core.digest``: one uint64 word
+# per 8 bytes, product and sum mod 2**64). On CPU that is one numpy ``einsum``
+# over the bytes viewed as uint64: a single read pass, no widened copy, no
+# temporary (one thread; torch's thread setting only affects the gathers) (measured with
+# ``python -m bench.digest``: torch's ``x * w`` then ``sum`` allocates a
+# product as large as the rows, and ``sum(dtype=int64)`` over int32 casts the
+# whole input first). On a device: :func:`rows_digests`.
+
+_WEIGHTS: Dict[Tuple[str, int, bool], object] = {}
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def _weights(device: torch.device, n: int, by_word: bool):
+    """Cached weights: ``base(0 .. n-1)`` per 64-bit word (``by_word``; numpy uint64 on
+    CPU, torch int64 elsewhere) or per byte of an ``n``-byte item (torch int64)."""
+    key = (str(device), n, by_word)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        vec = dg.base_vector(n) if by_word else dg.byte_weight_vector(n)
+        w = vec if by_word and device.type == "cpu" else torch.from_numpy(vec.view(np.int64)).to(device)
+        with _WEIGHTS_LOCK:
+            _WEIGHTS[key] = w
+    return w
+
+
+def _page_factors(device, component, buffer, pages) -> torch.Tensor:
+    return torch.from_numpy(dg.page_factors(component, buffer, pages).view(np.int64)).to(device)
+
+
+_SLOTS = np.empty(0, dtype=np.uint64)
+_SLOTS_CAP = 1 << 20  # pages: 8 MiB at most, one table for every buffer of the process
+
+
+def _slot_factors(pages) -> np.ndarray:
+    """``core.digest.slot_factor`` of ``pages`` (uint64), looked up in a table grown on
+    demand (computing them per call was a sixth of the digest's time at 8K tokens)."""
+    global _SLOTS
+    pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+    if pages.size == 0:
+        return np.empty(0, dtype=np.uint64)
+    lo, hi = int(pages.min()), int(pages.max())
+    table = _SLOTS
+    if lo < 0 or hi >= table.size:
+        if lo < 0 or hi >= _SLOTS_CAP:
+            return dg.slot_factors(pages)  # directly; raises DigestError for a page out of range
+        with _WEIGHTS_LOCK:
+            if hi >= _SLOTS.size:
+                _SLOTS = dg.slot_factors(np.arange(min(_SLOTS_CAP, max(4096, 1 << hi.bit_length()))))
+            table = _SLOTS
+    return table[pages]
+
+
+_GATHER_CHUNK = 1 << 20  # bytes gathered per step on CPU (1 MiB: 1.07 ms vs 1.21 ms at 512 KiB, 1.63 ms at 128 KiB for 8 x 1 MiB fragmented KV; larger gains nothing)
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's reusable CPU gather buffer, at least ``nbytes`` (a fresh ~1 MiB
+    tensor per call costs page faults when the allocator returns it to the OS)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _cpu_item_sums(rows: torch.Tensor, index: Optional[torch.Tensor]) -> np.ndarray:
+    """``v(item)`` of every item (uint64): ``rows`` contiguous, 8-byte aligned, a
+    multiple of 8 bytes wide; with ``index``, of rows ``index`` of ``rows``."""
+    n_words = rows.shape[1] // dg.WORD_BYTES
+    w = _weights(rows.device, n_words, True)
+    if index is None:
+        return np.einsum("ij,j->i", rows.numpy().view(np.uint64), w)  # one pass, wraps mod 2**64
+    n, item_len = index.numel(), rows.shape[1]
+    idx = index.numpy()
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    if len(breaks) < max(1, n // 16):
+        # Few contiguous runs (a fresh pool's usual layout): each in place, no gather.
+        words = rows.numpy().view(np.uint64)
+        out = np.empty(n, dtype=np.uint64)
+        for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [n]))):
+            start = int(idx[lo])
+            if start < 0 or start + (hi - lo) > words.shape[0]:
+                raise IndexError(f"row {start}..{start + hi - lo - 1} outside {words.shape[0]} rows")
+            np.einsum("ij,j->i", words[start:start + hi - lo], w, out=out[lo:hi])
+        return out
+    step = max(1, _GATHER_CHUNK // item_len)
+    scratch = _scratch(min(n, step) * item_len)
+    out = np.empty(n, dtype=np.uint64)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        part = scratch[: (hi - lo) * item_len].view(hi - lo, item_len)
+        torch.index_select(rows, 0, index[lo:hi], out=part)
+        np.einsum("ij,j->i", part.numpy().view(np.uint64), w, out=out[lo:hi])
+    return out
+
+
+def rows_digest(rows: torch.Tensor, component: int, buffer: int, dst_pages, index=None) -> int:
+    """Digest of whole items placed at destination pages ``dst_pages`` of (component, buffer).
+
+    ``rows`` is uint8 of shape ``(n, item_len)``: the items themselves, or, with
+    ``index`` (row numbers, any int sequence or tensor), a pool whose rows
+    ``index`` are the items (``dst_pages[i]`` is where row ``index[i]`` lands;
+    gathered here in bounded steps on CPU)."""
+    return rows_digests([(rows, component, buffer, dst_pages, index)])[0]
+
+
+def rows_digests(requests) -> List[int]:
+    """:func:`rows_digest` of each ``(rows, component, buffer, dst_pages, index)``.
+
+    On a device every request costs three kernels (gather, weigh, sum per item) and the
+    call a handful more: the per-item sums of all requests are weighed by their slot
+    factors and summed per request together, with the slot factors, request numbers and
+    buffer factors going over in one host-to-device copy and the totals coming back in
+    one copy. On an H100 the digest was bound by kernel launches and copies, not bytes
+    (bench/gpu_checks.sh: 8 buffers of 1 MiB took 1.37 ms with about ten kernels and a
+    copy back per buffer, 106 us of it on the GPU; a gather of the same pages 0.13 ms)."""
+    out: List[int] = [0] * len(requests)
+    on_device: Dict[torch.device, list] = {}
+    for i, (rows, component, buffer, dst_pages, index) in enumerate(requests):
+        prepared = _prepared_rows(rows, index)
+        if prepared is None:
+            continue  # nothing placed: 0
+        rows, index = prepared
+        # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
+        bf = dg.buffer_factor(component, buffer)
+        slots = _slot_factors(dst_pages)
+        if rows.device.type == "cpu":
+            per_item = _cpu_item_sums(rows, index)
+            out[i] = (int(np.dot(per_item, slots)) * bf) & dg.MASK  # uint64 dot wraps mod 2**64
+        else:
+            on_device.setdefault(rows.device, []).append((i, rows, index, slots, bf))
+    for device, items in on_device.items():
+        for (i, _, _, _, _), value in zip(items, _device_totals(device, items)):
+            out[i] = value
+    return out
+
+
+def _prepared_rows(rows: torch.Tensor, index):
+    """``(rows, index)`` ready for the digest kernels (int64 index, on the host unless it came as
+    a device tensor; rows contiguous, 8-byte aligned and a multiple of 8 bytes wide), or None if
+    no item is placed."""
+    if index is not None:
+        if not isinstance(index, torch.Tensor):
+            index = torch.from_numpy(np.asarray(index, dtype=np.int64).reshape(-1))
+        index = index.to(dtype=torch.int64)  # where it is: a host index goes over with the rest
+        if index.numel() == 0:
+            return None
+    elif rows.shape[0] == 0:
+        return None
+    item_len = rows.shape[1]
+    pad = -item_len % dg.WORD_BYTES
+    if pad or not rows.is_contiguous() or rows.data_ptr() % dg.WORD_BYTES or rows.storage_offset() % dg.WORD_BYTES:
+        # Zero-padded tail (the definition's) and an aligned, contiguous copy: rare
+        # (KV, state and aux items are multiples of 8 bytes, pools are aligned).
+        if index is not None:
+            rows, index = rows.index_select(0, index.to(rows.device)), None
+        padded = torch.zeros((rows.shape[0], item_len + pad), dtype=torch.uint8, device=rows.device)
+        padded[:, :item_len] = rows
+        rows = padded
+    return rows, index
+
+
+_STAGING = threading.local()
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (int64) on ``device`` in one asynchronous copy, through this thread's pinned
+    staging buffer (``Tensor.pin_memory()`` asks the driver whether the memory is pinned first:
+    0.7 ms a call on the lent H100's VM, most of the digest's host time). Reusing the buffer is
+    safe: every call that copies from it ends by copying its totals back, which waits for the
+    copy in."""
+    if device.type != "cuda":
+        return torch.from_numpy(host).to(device)
+    staging = getattr(_STAGING, "buf", None)
+    if staging is None or staging.numel() < host.size:
+        staging = _STAGING.buf = torch.empty(max(host.size, 1 << 12), dtype=torch.int64, pin_memory=True)
+    part = staging[: host.size]
+    part.numpy()[:] = host
+    return part.to(device, non_blocking=True)
+
+
+def _device_totals(device: torch.device, items) -> List[int]:
+    """Digests of ``items`` (``(i, rows, index, slot factors, buffer factor)``, rows on
+    ``device``) with torch int64 arithmetic, whose products and sums wrap mod 2**64 like the
+    uint64 definition (two's complement). Runs on any device (the unit tests use CPU)."""
+    if device.type == "cuda" and _digest_kernel() is not None:
+        return _kernel_totals(device, items)
+    sums = []
+    for _, rows, index, _, _ in items:
+        if index is not None:
+            rows = rows.index_select(0, index.to(device))
+        w = _weights(device, rows.shape[1] // dg.WORD_BYTES, True)
+        if isinstance(w, np.ndarray):  # CPU's cached weights are numpy uint64: the same bits as int64
+            w = torch.from_numpy(w.view(np.int64))
+        sums.append((rows.view(torch.int64) * w).sum(dim=1))
+    n, k = sum(len(x) for x in sums), len(items)
+    host = np.concatenate([
+        np.concatenate([it[3] for it in items]).view(np.int64),  # slot factor of every item
+        np.repeat(np.arange(k, dtype=np.int64), [len(x) for x in sums]),  # its request
+        np.array([it[4] for it in items], dtype=np.uint64).view(np.int64),  # buffer factor per request
+    ])
+    factors = _to_device(host, device)
+    weighed = torch.cat(sums) * factors[:n]
+    totals = torch.zeros(k, dtype=torch.int64, device=device).index_add_(0, factors[n:2 * n], weighed)
+    totals *= factors[2 * n:]
+    return totals.cpu().numpy().view(np.uint64).tolist()
+
+
+_KERNEL = None
+_KERNEL_LOCK = threading.Lock()
+_KERNEL_MAX_BLOCK = 1024  # words per step of one item (8 KiB)
+
+
+def _digest_kernel():
+    """The fused digest kernel (Triton), built on first use; None where Triton cannot be imported
+    (then the torch kernels above serve). One program per item: it reads the item's words from
+    its pool row (pool address, words per row and row number from tables), weighs and sums them
+    in wrapping int64, and stores that sum times the item's page factor (slot x buffer): gather,
+    weigh and sum of every buffer of a call in one launch."""
+    global _KERNEL
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            try:
+                import triton
+                import triton.language as tl
+            except ImportError:
+                _KERNEL = False
+                return None
+
+            @triton.jit
+            def item_digests(bases, words, index, request, weights, factors, out, BLOCK: tl.constexpr,
+                             STEPS: tl.constexpr):
+                i = tl.program_id(0)
+                r = tl.load(request + i)
+                base = tl.load(bases + r).to(tl.pointer_type(tl.int64))
+                n_words = tl.load(words + r)
+                row = tl.load(index + i)
+                acc = tl.zeros((BLOCK,), dtype=tl.int64)
+                for step in range(STEPS):  # enough steps for the widest item; masked beyond each's width
+                    j = step * BLOCK + tl.arange(0, BLOCK)
+                    inside = j < n_words
+                    x = tl.load(base + row * n_words + j, mask=inside, other=0)
+                    acc += x * tl.load(weights + j, mask=inside, other=0)
+                tl.store(out + i, tl.sum(acc, axis=0) * tl.load(factors + i))
+
+            _KERNEL = (item_digests, triton.next_power_of_2)
+        return _KERNEL or None
+
+
+def _kernel_totals(device: torch.device, items) -> List[int]:
+    """:func:`_device_totals` through :func:`_digest_kernel`: the row numbers, requests, page
+    factors, pool addresses and row widths of every item go over in one host-to-device copy, one
+    launch digests every item, one ``index_add_`` sums them per request, one copy brings the
+    totals back. ``rows`` stay referenced by ``items`` until then."""
+    kernel, next_power_of_2 = _digest_kernel()
+    counts = [index.numel() if index is not None else rows.shape[0] for _, rows, index, _, _ in items]
+    n, k = sum(counts), len(items)
+    host_index = np.empty(n, dtype=np.int64)
+    on_device = []  # (offset, count, index) of row numbers already on the device
+    factors = []
+    offset = 0
+    for (_, rows, index, slots, bf), count in zip(items, counts):
+        if index is None:
+            host_index[offset:offset + count] = np.arange(count)
+        elif index.device.type == "cpu":
+            host_index[offset:offset + count] = index.numpy()
+        else:
+            on_device.append((offset, count, index))
+        with np.errstate(over="ignore"):  # page factor = slot factor x buffer factor, mod 2**64
+            factors.append(slots * np.uint64(bf))
+        offset += count
+    widths = [rows.shape[1] // dg.WORD_BYTES for _, rows, _, _, _ in items]
+    host = np.concatenate([
+        host_index,
+        np.repeat(np.arange(k, dtype=np.int64), counts),
+        np.concatenate(factors).view(np.int64),
+        np.array([rows.data_ptr() for _, rows, _, _, _ in items], dtype=np.int64),
+        np.array(widths, dtype=np.int64),
+    ])
+    table = _to_device(host, device)
+    index_d, request_d, factors_d = table[:n], table[n:2 * n], table[2 * n:3 * n]
+    bases_d, words_d = table[3 * n:3 * n + k], table[3 * n + k:]
+    for offset, count, index in on_device:
+        index_d[offset:offset + count].copy_(index)
+    longest = max(widths)
+    weights = _weights(device, longest, True)
+    if isinstance(weights, np.ndarray):  # CPU (the interpreter in the unit tests)
+        weights = torch.from_numpy(weights.view(np.int64))
+    per_item = torch.empty(n, dtype=torch.int64, device=device)
+    block = min(_KERNEL_MAX_BLOCK, next_power_of_2(longest))
+    kernel[(n,)](bases_d, words_d, index_d, request_d, weights, factors_d, per_item,
+                 BLOCK=block, STEPS=-(-longest // block))
+    totals = torch.zeros(k, dtype=torch.int64, device=device).index_add_(0, request_d, per_item)
+    return totals.cpu().numpy().view(np.uint64).tolist()
+
+
+def span_digest(data: torch.Tensor, dst_offset: int, item_len: int, component: int, buffer: int):
+    """Digest of ``data`` (flat uint8) written at byte ``dst_offset`` of destination buffer
+    (component, buffer) of items ``item_len`` long: any alignment (head slices, partial
+    items), byte by byte with ``core.digest``'s per-byte weights (slower than
+    :func:`rows_digest`; only slices take it). Returns (digest, destination pages touched)."""
+    pos = torch.arange(dst_offset, dst_offset + data.numel(), dtype=torch.int64, device=data.device)
+    pages = pos // item_len
+    first, last = dst_offset // item_len, (dst_offset + data.numel() - 1) // item_len
+    page_list = list(range(first, last + 1))
+    m = _page_factors(data.device, component, buffer, page_list)
+    w = _weights(data.device, item_len, False)[pos % item_len] * m[pages - first]
+    return int((data.to(torch.int64) * w).sum().item()) & dg.MASK, page_list
+
+
+def run_index(starts, counts) -> np.ndarray:
+    """Row numbers of runs ``starts[i] .. starts[i] + counts[i] - 1``, concatenated."""
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
