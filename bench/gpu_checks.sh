@@ -14,8 +14,8 @@
 #   bash bench/gpu_checks.sh digest      # the kernel tests and the steps named digest* only
 #
 # What runs (each step bounded, each log kept, one line "=== <step> rc=N" per step):
-#   verify_kernels  test/unit/test_verify_kernels.py: the digest's CUDA kernels (torch int64)
-#                   give the byte-by-byte reference's value (the CPU kernels' too)
+#   verify_kernels  test/unit/test_verify_kernels.py: the digest's device kernels (the fused Triton
+#                   kernel, torch's int64 ones) give the byte-by-byte reference's value, as the CPU ones do
 #   selftest_f5     the F5 rows with pools on the GPU: stock vs -ext, bytes checked
 #   offload         bench.offload --device cuda --large: F5 offload + restore vs a plain
 #                   device-to-host copy (pageable) and a pinned memcpy, GB/s
