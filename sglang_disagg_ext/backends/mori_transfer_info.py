@@ -17,7 +17,9 @@ that sent the message, at the endpoint and port of that message, the way the rel
 tells decode of a failure: ``conclude_failure`` from 0.5.20, ``_notify_decode_for_room``
 on 0.5.19, ``notify_decode_status`` before (``releases.features()``). Counted in
 ``thread_recoveries_total{role="prefill",thread="bootstrap"}``. A message whose room
-number cannot be read fails nothing (no room to name); it is logged as stock does.
+number cannot be read fails nothing (no room to name); it is logged as stock does. The
+filter sees stock's record only if MoRI's logger lets ERROR through; where an operator set
+it higher, a room stock caught falls back to stock's timeouts (no worse than stock).
 """
 
 from __future__ import annotations

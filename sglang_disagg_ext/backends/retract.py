@@ -416,7 +416,7 @@ def nsa_load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kwargs)
     else:
         restore_index_k(self, index_k, indices)
     synchronize_device(device)  # host chunks stay alive until the copies are done
-    offloaded = getattr(kv_cache_cpu, "digests", None)
+    offloaded = kv_cache_cpu.digests if isinstance(kv_cache_cpu, NSACpuCopy) else None  # ours, verified
     if offloaded is not None:
         check_resume(offloaded, retract_digests(self, indices, with_index_k=index_k is not None))
 
