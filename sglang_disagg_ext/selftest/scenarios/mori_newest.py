@@ -348,39 +348,32 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
             detail="-ext: Failed on both sides naming buffer, row and sizes; decode's rows untouched",
             ext_detail=None if ext_ok else ext.describe(logs=False),
         ))
-    if "mori-status-worker-fault" in wanted:
-        start = time.monotonic()
+    def fault_row(name, scenario, env, stock_signature, ext_handled, stock_expected, detail):
+        """One thread-fault row: the same scenario and hook for stock and -ext, each judged by its signature."""
         from sglang_disagg_ext.selftest.harness.run import run_scenario
 
-        stock = run_scenario(status_fault(), "mori", timeout_s=timeout_s, extra_env=status_fault_env())
-        ext = run_scenario(status_fault(), "mori-ext", timeout_s=timeout_s, extra_env=status_fault_env())
-        reproduced = status_fault_stock_signature(stock)
-        ext_ok = status_worker_survived(ext)
-        rows.append(row(
-            "mori-status-worker-fault", "fail" if reproduced or not stock.ok else "pass", "pass" if ext_ok else "fail",
+        start = time.monotonic()
+        stock = run_scenario(scenario, "mori", timeout_s=timeout_s, extra_env=env)
+        ext = run_scenario(scenario, "mori-ext", timeout_s=timeout_s, extra_env=env)
+        reproduced, ext_ok = stock_signature(stock), ext_handled(ext)
+        return row(
+            name, "fail" if reproduced or not stock.ok else "pass", "pass" if ext_ok else "fail",
             ext_ok and reproduced, time.monotonic() - start,
-            stock_expected="fail (room held on decode until the waiting timeout)", stock_reproduced=reproduced,
+            stock_expected=stock_expected, stock_reproduced=reproduced,
             stock_detail=None if reproduced else stock.describe(logs=False),
-            detail="-ext: the room Failed on decode at once with the exception; the next room served",
-            ext_detail=None if ext_ok else ext.describe(logs=False),
-        ))
-    if "mori-transfer-message-fault" in wanted:  # every release (F3's class carries it on 0.5.12.x)
-        start = time.monotonic()
-        from sglang_disagg_ext.selftest.harness.run import run_scenario
+            detail=detail, ext_detail=None if ext_ok else ext.describe(logs=False),
+        )
 
-        stock = run_scenario(transfer_fault(), "mori", timeout_s=timeout_s, extra_env=transfer_fault_env())
-        ext = run_scenario(transfer_fault(), "mori-ext", timeout_s=timeout_s, extra_env=transfer_fault_env())
-        reproduced = transfer_fault_stock_signature(stock)
-        ext_ok = transfer_fault_handled(ext)
-        rows.append(row(
-            "mori-transfer-message-fault", "fail" if reproduced or not stock.ok else "pass",
-            "pass" if ext_ok else "fail", ext_ok and reproduced, time.monotonic() - start,
-            stock_expected="fail (room held on decode until the waiting timeout, decode never told)",
-            stock_reproduced=reproduced,
-            stock_detail=None if reproduced else stock.describe(logs=False),
-            detail="-ext: the room Failed on prefill and decode at once with the exception; the next room served",
-            ext_detail=None if ext_ok else ext.describe(logs=False),
-        ))
+    if "mori-status-worker-fault" in wanted:
+        rows.append(fault_row(
+            "mori-status-worker-fault", status_fault(), status_fault_env(), status_fault_stock_signature,
+            status_worker_survived, "fail (room held on decode until the waiting timeout)",
+            "-ext: the room Failed on decode at once with the exception; the next room served"))
+    if "mori-transfer-message-fault" in wanted:  # every release (F3's class carries it on 0.5.12.x)
+        rows.append(fault_row(
+            "mori-transfer-message-fault", transfer_fault(), transfer_fault_env(), transfer_fault_stock_signature,
+            transfer_fault_handled, "fail (room held on decode until the waiting timeout, decode never told)",
+            "-ext: the room Failed on prefill and decode at once with the exception; the next room served"))
     return rows
 
 
