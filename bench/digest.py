@@ -25,6 +25,7 @@ per request (prefill, decode), on two machines' CPUs in a real deployment.
 
     python -m bench.digest                       # 8K tokens, CPU
     python -m bench.digest --tokens 32768 --transfer-ms 17.9
+    python -m bench.digest --max-run 8           # pages in short ascending runs (gathered or not)
     python -m bench.digest --threads 2           # torch threads (the CPU digest is numpy, one thread)
 """
 
@@ -51,14 +52,18 @@ def _clock(device):
     return time.thread_time()
 
 
-def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, profile: bool = False):
+def measure(tokens: int, samples: int, device: torch.device, seed: int = 0, profile: bool = False,
+            max_run: int = 0):
     pages = shapes.pages_for_tokens(tokens, shapes.PAGE_SIZE)
     item = shapes.PAGE_SIZE * shapes.KV_HEADS * shapes.KV_HEAD_DIM * shapes.DTYPE_BYTES
     pool_pages = 2 * pages + 1
     gen = torch.Generator().manual_seed(seed)
     buffers = [torch.randint(0, 256, (pool_pages, item), dtype=torch.uint8, generator=gen).to(device)
                for _ in range(2 * shapes.KV_LAYERS)]
-    src = torch.randperm(pool_pages, generator=gen)[:pages].to(device)
+    if max_run:  # decode's view of a busy pool: runs of 1..max_run pages, in ascending order
+        src = torch.tensor(sorted(shapes.fragmented_pages(pages, pool_pages, seed, max_run)), dtype=torch.int64).to(device)
+    else:
+        src = torch.randperm(pool_pages, generator=gen)[:pages].to(device)
     dst_pages = [int(p) for p in torch.randperm(pool_pages, generator=gen)[:pages]]
     out = torch.empty((pages, item), dtype=torch.uint8, device=device)
 
@@ -119,11 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--transfer-ms", type=float, default=None,
                     help="a measured transfer time of the same request, to put the digest next to")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the bench's own process only)")
+    ap.add_argument("--max-run", type=int, default=0,
+                    help="source pages in ascending runs of 1..N pages (a busy pool as decode sees it); "
+                         "default: random pages")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table of the digest calls")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    pages, nbytes, times = measure(args.tokens, args.samples, device, profile=args.profile)
+    pages, nbytes, times = measure(args.tokens, args.samples, device, profile=args.profile, max_run=args.max_run)
     d, g = statistics.median(times["digest"]), statistics.median(times["gather"])
     clock = "wall (synchronized)" if device.type == "cuda" else "wall" if args.threads > 1 else "thread CPU"
     print(f"digest cost, {args.tokens} tokens = {pages} pages x {2 * shapes.KV_LAYERS} KV buffers "

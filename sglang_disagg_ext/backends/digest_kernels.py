@@ -9,6 +9,7 @@ byte ranges that are not whole items (head slices).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -69,6 +70,7 @@ def _slot_factors(pages) -> np.ndarray:
     return table[pages]
 
 
+_RUN_MIN_BYTES = 64 << 10  # average contiguous run at which rows are digested in place, not gathered
 _GATHER_CHUNK = 1 << 20  # bytes gathered per step on CPU (1 MiB: 1.07 ms vs 1.21 ms at 512 KiB, 1.63 ms at 128 KiB for 8 x 1 MiB fragmented KV; larger gains nothing)
 _SCRATCH = threading.local()
 
@@ -92,8 +94,10 @@ def _cpu_item_sums(rows: torch.Tensor, index: Optional[torch.Tensor]) -> np.ndar
     n, item_len = index.numel(), rows.shape[1]
     idx = index.numpy()
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    if len(breaks) < max(1, n // 16):
-        # Few contiguous runs (a fresh pool's usual layout): each in place, no gather.
+    if (len(breaks) + 1) * _RUN_MIN_BYTES <= n * item_len:
+        # Long contiguous runs (a fresh pool's usual layout; a busy one's runs of about
+        # eight 8 KiB pages): each in place, no gather. Shorter runs are gathered: one
+        # einsum call per run costs more than the copy (python -m bench.digest --max-run 2, 8).
         words = rows.numpy().view(np.uint64)
         out = np.empty(n, dtype=np.uint64)
         for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [n]))):
@@ -149,7 +153,11 @@ def rows_digests(requests) -> List[int]:
         else:
             on_device.setdefault(rows.device, []).append((i, rows, index, slots, bf))
     for device, items in on_device.items():
-        for (i, _, _, _, _), value in zip(items, _device_totals(device, items)):
+        # On the rows' device, whatever this thread's current device is: SGLang's transfer
+        # threads and the verify digest threads start on device 0, a rank's pool may not.
+        with torch.cuda.device(device) if device.type == "cuda" else _NO_DEVICE_SCOPE:
+            totals = _device_totals(device, items)
+        for (i, _, _, _, _), value in zip(items, totals):
             out[i] = value
     return out
 
@@ -179,6 +187,7 @@ def _prepared_rows(rows: torch.Tensor, index):
     return rows, index
 
 
+_NO_DEVICE_SCOPE = contextlib.nullcontext()
 _STAGING = threading.local()
 
 

@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from sglang_disagg_ext.backends import digest_kernels  # noqa: E402
 from sglang_disagg_ext.backends.digest_kernels import (  # noqa: E402
     _device_totals,
     run_index,
@@ -143,14 +144,22 @@ def test_device_path_matches_the_reference(device):
 
 
 @pytest.mark.timeout(30)
-def test_rows_digest_index_in_runs_digests_in_place():
-    # Two long runs of pool rows (fewer than one break per 16 rows): digested in
-    # place without a gather; same value as the reference, and an index past the
-    # pool's end is an error on both paths, never a silently shorter slice.
-    pool = _rows(80, 16, 4)
+def test_rows_digest_index_in_runs_digests_in_place(monkeypatch):
+    # Two long runs of pool rows (at least 64 KiB a run on average): digested in place
+    # without a gather (the gather buffer is never asked for); same value as the
+    # reference, and an index past the pool's end is an error on both paths, never a
+    # silently shorter slice. Short runs (2 KiB a run here) take the gather.
+    gathers = []
+    scratch = digest_kernels._scratch
+    monkeypatch.setattr(digest_kernels, "_scratch", lambda n: gathers.append(n) or scratch(n))
+    pool = _rows(80, 4096, 4)
     index = list(range(2, 30)) + list(range(40, 70))
     pages = list(range(100, 100 + len(index)))
     assert rows_digest(pool, 2, 0, pages, index=index) == _reference(pool[index], 2, 0, pages)
+    assert gathers == []
+    short = [2, 3, 9, 10, 20]  # three runs of 8 KiB at most: gathered
+    assert rows_digest(pool, 2, 0, [1, 2, 3, 4, 5], index=short) == _reference(pool[short], 2, 0, [1, 2, 3, 4, 5])
+    assert len(gathers) == 1
     with pytest.raises((IndexError, RuntimeError)):
         rows_digest(pool, 2, 0, list(range(40)), index=list(range(50, 90)))  # in-place path
     with pytest.raises((IndexError, RuntimeError)):
