@@ -290,11 +290,11 @@ def _verify_env(on: bool):
 def _verified_manager_class(policy) -> type:
     """The ext manager class with the verified-transfer mixin (built under the switch)."""
     from sglang_disagg_ext.backends.mooncake import manager_class
-    from sglang_disagg_ext.backends.mooncake_verify import VerifiedTransferMixin
+    from sglang_disagg_ext.backends.mooncake_verify import MooncakeVerifiedTransferMixin
 
     with _verify_env(True):
         cls = manager_class(policy)
-    if cls is None or not issubclass(cls, VerifiedTransferMixin):
+    if cls is None or not issubclass(cls, MooncakeVerifiedTransferMixin):
         raise RuntimeError(f"no verified Mooncake manager on SGLang {policy.version}: {cls}")
     return cls
 

@@ -4,7 +4,7 @@
 asks every ``-ext`` backend that can to prove its bytes: prefill digests what
 it writes at its destination placement, decode recomputes the digest over what
 landed before it reports Success (``core/digest.py``,
-``backends/mooncake_verify.py``). This module is light (no torch, no SGLang at
+``backends/transfer_verify.py``, ``mooncake_verify.py``, ``nixl_verify.py``). This module is light (no torch, no SGLang at
 import) so that ``doctor`` and ``selftest`` can say what the switch does here.
 """
 
@@ -26,22 +26,27 @@ def enabled() -> bool:
 def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     """Per ``-ext`` backend: ``""`` where verification works on this release, else why not.
 
-    Mooncake needs the plugin's classes (the backend routes) and SGLang's
-    common status codec, which reads the status frames by position and ignores
-    a trailing one (the digest travels there); older decode loops unpack
-    exactly three frames, so an extra one would end their thread.
+    Both need the plugin's classes (the backend routes) and SGLang's common
+    status codec, which reads the status frames by position and ignores a
+    trailing one (the digest travels there); older Mooncake decode loops unpack
+    exactly three frames, so an extra one would end their thread. NIXL also needs
+    its decode to learn Success from that message alone (0.5.23: up to 0.5.22 it
+    concludes Success from NIXL notifications too).
     """
     out = {}
     if not policy.supported:
         reason = f"SGLang {policy.version or '(not installed)'} is not supported"
         return {ext: reason for ext in releases.EXT_BACKENDS}
     for ext, base in releases.EXT_BACKENDS.items():
-        if base != "mooncake":
-            out[ext] = "not built yet for this backend (issue 16 covers Mooncake first)"
+        if base == "mori":
+            out[ext] = "not built yet for this backend (issue 16 covers Mooncake and NIXL first)"
         elif not policy.routes(base):
             out[ext] = f"{ext} passes through to stock on SGLang {policy.version}"
-        elif not releases.features().kv_status_codec:
-            out[ext] = f"SGLang {policy.version} has no common status codec (parse_kv_status_message, 0.5.22+)"
+        elif base == "mooncake" and not releases.features().kv_status_codec:
+            out[ext] = f"SGLang {policy.version} has no common status codec (parse_kv_status_message, 0.5.20+)"
+        elif base == "nixl" and not releases.features().nixl_success_via_listener_only:
+            out[ext] = (f"a NIXL decode on SGLang {policy.version} also concludes Success from NIXL "
+                        "notifications, where no digest travels (0.5.23+ only)")
         else:
             out[ext] = ""
     return out

@@ -37,7 +37,7 @@ from sglang_disagg_ext.backends.mooncake_peers import MooncakeExtKVReceiver
 from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
 from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
 from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
-from sglang_disagg_ext.backends.mooncake_verify import VerifiedTransferMixin
+from sglang_disagg_ext.backends.mooncake_verify import MooncakeVerifiedTransferMixin
 from sglang_disagg_ext.backends.shared import report_trim
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
@@ -279,10 +279,10 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
     # fixes let through, and its decode check runs before any Success.
     if verification.enabled():
         if releases.features().kv_status_codec:
-            mixins = (VerifiedTransferMixin,) + mixins
+            mixins = (MooncakeVerifiedTransferMixin,) + mixins
             fixes = "V" + fixes
         else:
-            logger.warning("%s=1: verified transfers need SGLang's common status codec (0.5.22+); "
+            logger.warning("%s=1: verified transfers need SGLang's common status codec (0.5.20+); "
                            "not available on SGLang %s, transfers are not verified", verification.VERIFY_ENV,
                            policy.version)
     if policy.is_live("F1") or policy.is_live("F2"):

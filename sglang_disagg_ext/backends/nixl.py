@@ -970,10 +970,27 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         # (stock's sender reports the conclusions F11 makes).
         from sglang_disagg_ext.backends.nixl_newest import NixlNewestKVManager
 
-        return {"NixlKVManager": NixlNewestKVManager}
+        return {"NixlKVManager": _with_verification(NixlNewestKVManager, policy)}
     if policy.is_live("F13"):
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl_swa_tp import NixlSwaTpKVManager
 
         return {"NixlKVManager": NixlSwaTpKVManager}
     return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
+
+
+def _with_verification(cls: type, policy: ReleasePolicy) -> type:
+    """``cls`` with issue 16's verified transfers in front where the switch asks for them
+    and this release's NIXL decode learns Success from the status message alone."""
+    from sglang_disagg_ext import verification
+
+    if not verification.enabled():
+        return cls
+    why = verification.available(policy).get("nixl-ext", "")
+    if why:
+        logger.warning("%s=1: %s; NIXL transfers are not verified", verification.VERIFY_ENV, why)
+        return cls
+    from sglang_disagg_ext.backends.nixl_verify import NixlVerifiedTransferMixin
+
+    return type(f"{cls.__name__}_V", (NixlVerifiedTransferMixin, cls),
+                {"__module__": cls.__module__, "__doc__": f"{cls.__doc__} With NixlVerifiedTransferMixin."})

@@ -247,15 +247,26 @@ def decode_frame(frame: bytes) -> Tuple[Digests, Pages]:
 def merge_frames(frames: Mapping[int, Tuple[Digests, Pages]]) -> Tuple[Digests, Pages, Dict[Tuple[int, int], List[int]]]:
     """Partials of several source ranks (rank -> decoded frame) combined: summed
     digests per (component, buffer), the union of pages per component, and which
-    source ranks contributed to each (component, buffer)."""
+    source ranks contributed to each (component, buffer).
+
+    Ranks that report the same digest for a (component, buffer) over the same pages
+    of that component wrote the same bytes to the same places (SGLang has every
+    prefill rank of a larger TP send the aux row and unsliced state to a smaller
+    decode TP): their copy counts once, as it landed once. Distinct parts (head
+    slices) differ in their digests, since every byte's weight depends on its
+    offset; two different writes agreeing by chance is the digest's ``2**-64``."""
     sums: Dict[Tuple[int, int], List[int]] = {}
     ranks: Dict[Tuple[int, int], List[int]] = {}
     pages: Dict[int, set] = {}
+    seen: Dict[Tuple[int, int], set] = {}
     for rank in sorted(frames):
         digests, rank_pages = frames[rank]
         for key, d in digests.items():
-            sums.setdefault(key, []).append(d)
             ranks.setdefault(key, []).append(rank)
+            copy = (d, frozenset(rank_pages.get(key[0], ())))
+            if copy not in seen.setdefault(key, set()):
+                seen[key].add(copy)
+                sums.setdefault(key, []).append(d)
         for c, ps in rank_pages.items():
             pages.setdefault(c, set()).update(ps)
     return (

@@ -1,4 +1,4 @@
-"""Test-only prefill hook (``SGLANG_HARNESS_PREFILL_HOOK``): one source byte wrong while the engine reads it.
+"""Test-only hooks: one byte wrong in flight (prefill: while the engine reads it) or as it lands (decode).
 
 ``flip_one_source_byte(mgr)`` shadows ``mgr.engine.batch_transfer_sync`` (the
 Mooncake engine call every ``_transfer_data`` ends in) on the prefill
@@ -68,3 +68,50 @@ def flip_one_source_byte(mgr) -> None:
             byte.value = original
 
     engine.batch_transfer_sync = batch_transfer_sync
+
+
+def _item_len(kv_args, component: str, index: int) -> int:
+    if component == "kv":
+        return kv_args.kv_item_lens[index]
+    if component == "aux":
+        return kv_args.aux_item_lens[index]
+    c = int(component[len("state"):])
+    lens = kv_args.state_item_lens
+    if lens and isinstance(lens[0], (list, tuple)):
+        lens = lens[c]
+    return lens[index]
+
+
+def flip_one_landed_byte(mgr) -> None:
+    """Decode hook (``SGLANG_HARNESS_DECODE_MANAGER_HOOK``): one landed byte wrong.
+
+    For engines whose writes the harness cannot catch mid-call (NIXL posts a
+    transfer and completes it later, from descriptor lists), the byte goes wrong
+    at the destination instead: ``mgr.apply_prefill_status`` is shadowed, and on
+    the first Success a prefill rank reports it flips (XOR 0xFF) byte
+    ``SGLANG_HARNESS_FLIP_OFFSET`` of page ``SGLANG_HARNESS_FLIP_PAGE`` of the
+    chosen decode buffer, then lets SGLang (and ``-ext``'s check, inside
+    ``update_status``) handle the Success. The bytes landed right and were then
+    changed before decode accepted them: what a bad DMA or a stray write would
+    leave, and what prefill's digest (taken before the transfer existed) does not
+    match. Same fault for stock and ``-ext`` at the same point. CPU pools only."""
+    component = os.environ.get("SGLANG_HARNESS_FLIP_COMPONENT", "kv")
+    index = int(os.environ.get("SGLANG_HARNESS_FLIP_BUFFER", "0"))
+    page = int(os.environ["SGLANG_HARNESS_FLIP_PAGE"])
+    offset = int(os.environ.get("SGLANG_HARNESS_FLIP_OFFSET", "1"))
+    start, nbytes = _buffer(mgr.kv_args, component, index)
+    target = start + page * _item_len(mgr.kv_args, component, index) + offset
+    if not start <= target < start + nbytes:
+        raise ValueError(f"flip target page {page} offset {offset} outside {component} buffer {index}")
+    stock = mgr.apply_prefill_status
+    fired = threading.Event()
+
+    def apply_prefill_status(*args, **kwargs):
+        status = kwargs.get("status", args[1] if len(args) > 1 else None)
+        if status is not None and int(status) == 4 and not fired.is_set():  # KVPoll.Success
+            fired.set()
+            byte = ctypes.c_uint8.from_address(target)
+            byte.value ^= 0xFF
+        return stock(*args, **kwargs)
+
+    mgr.apply_prefill_status = apply_prefill_status

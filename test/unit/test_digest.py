@@ -134,6 +134,24 @@ def test_frame_round_trip_and_merge():
 
 
 @pytest.mark.timeout(10)
+def test_merge_counts_a_replicated_write_once():
+    # Two prefill ranks (TP 2 -> decode TP 1) both write aux row 3 with the same bytes
+    # (same digest, same pages): it landed once, so it counts once. Their KV parts are
+    # head slices of the same pages (different digests): summed. A rank whose aux copy
+    # differs (other bytes) is summed too, and then cannot match what landed.
+    r0 = ({(0, 0): 10, (1, 0): 77}, {0: [6, 7], 1: [3]})
+    r1 = ({(0, 0): 20, (1, 0): 77}, {0: [6, 7], 1: [3]})
+    sums, union, ranks = dg.merge_frames({0: r0, 1: r1})
+    assert sums == {(0, 0): 30, (1, 0): 77}
+    assert ranks[(1, 0)] == [0, 1] and union == {0: [6, 7], 1: [3]}
+    r1_other = ({(0, 0): 20, (1, 0): 78}, {0: [6, 7], 1: [3]})
+    assert dg.merge_frames({0: r0, 1: r1_other})[0][(1, 0)] == 77 + 78
+    # Same digest over other pages is another write: summed.
+    r1_moved = ({(0, 0): 20, (1, 0): 77}, {0: [6, 7], 1: [4]})
+    assert dg.merge_frames({0: r0, 1: r1_moved})[0][(1, 0)] == 2 * 77
+
+
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "frame, message",
     [

@@ -1,0 +1,500 @@
+"""Verified transfers (issue 16): the engine-independent half, shared by ``mooncake-ext`` and ``nixl-ext``.
+
+Switch: ``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment, read
+once when the backend composes its class and once per manager.
+
+Prefill: each engine's adapter hands every write it is about to give the engine
+to :meth:`VerifiedTransferMixin._verify_add_blocks` as ``(src, dst, length)``
+blocks for one decode session (Mooncake: ``_transfer_data``,
+``mooncake_verify``; NIXL: the descriptor lists of each transfer it creates,
+``nixl_verify``). Before the engine reads them, each block's source bytes are
+digested at their *destination* placement (``core.digest``: component, decode
+buffer, decode page, word offset), on the pool's own device (numpy on CPU; on
+CUDA one fused Triton kernel, or torch kernels where Triton is missing; one call
+per group of buffers per transfer), and added to the room's partial for that
+decode session. The room is known from the chunk the transfer worker took from
+its queue. When the room's Success goes to a decode endpoint
+(``send_kv_status_message``, SGLang's common status codec), the partial travels
+as one trailing frame after the reason frame: stock ``parse_kv_status_message``
+reads frames by position and ignores it, so a stock decode is unaffected (no
+extra message, no round trip).
+
+Decode: ``parse_kv_status_message`` keeps the frame of each prefill rank's
+Success; when stock then moves the room to Success (every expected rank
+reported), ``update_status`` first recomputes the digest over the listed
+decode pages and compares it with the sum of the ranks' partials, per
+(component, buffer). A mismatch ends the room Failed with a reason naming the
+component, buffer and source rank(s) and is counted
+(``verify_mismatches_total{component}``). Prefill has already concluded the
+room as Success and no stock message tells it otherwise: prefill is not told.
+
+A room is left unverified (counted as ``verified_transfers_total{result="unverified"}``,
+never failed) when some source rank sent no frame (a stock or non-verifying
+prefill) or when a prefill block could not be placed in a registered buffer
+(prefill then sends no frame for that room). Writes the adapter does not see
+are not covered: their pages are simply not listed (see each adapter).
+
+Needs the common status codec on both sides: where a release's decode learns
+Success another way, the backend does not compose the mixin
+(``verification.available`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sglang_disagg_ext import metrics
+from sglang_disagg_ext.verification import VERIFY_ENV
+from sglang_disagg_ext.verification import enabled as verify_enabled
+from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest
+from sglang_disagg_ext.core import digest as dg
+
+logger = logging.getLogger("sglang_disagg_ext.verify")
+
+_SUCCESS = 4  # KVPoll.Success (IntEnum, same value on every supported release)
+_FAILED = 0
+
+
+# -- tensors over registered buffers --------------------------------------------
+
+
+class _CudaArray:
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` at ``ptr`` on ``device``, no copy."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
+
+
+class _Buffer:
+    __slots__ = ("start", "end", "component", "index", "item_len", "_device", "_flat")
+
+    def __init__(self, start, nbytes, component, index, item_len, device):
+        self.start, self.end = int(start), int(start) + int(nbytes)
+        self.component, self.index, self.item_len = component, index, int(item_len)
+        self._device = device
+        self._flat = None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = _bytes_at(self.start, self.end - self.start, self._device)
+        return self._flat
+
+
+def _state_lists(values) -> List[List[int]]:
+    """State pointers/lengths per component: list-of-lists (0.5.12+) or one flat list (older)."""
+    values = list(values or [])
+    if values and isinstance(values[0], (list, tuple)):
+        return [list(v or []) for v in values]
+    return [values] if values else []
+
+
+def _local_buffers(kv_args, device) -> List[_Buffer]:
+    out = []
+
+    def add(component, ptrs, lens, items):
+        for b, (p, n, i) in enumerate(zip(ptrs or [], lens or [], items or [])):
+            if p and n and i:
+                out.append(_Buffer(p, n, component, b, i, device))
+
+    add(dg.KV_COMPONENT, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens)
+    add(dg.AUX_COMPONENT, kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens)
+    ptrs = _state_lists(getattr(kv_args, "state_data_ptrs", None))
+    lens = _state_lists(getattr(kv_args, "state_data_lens", None))
+    items = _state_lists(getattr(kv_args, "state_item_lens", None))
+    for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
+        add(dg.STATE_COMPONENT_BASE + i, p, n, it)
+    out.sort(key=lambda b: b.start)
+    return out
+
+
+_TABLE_ARRAYS: Dict[int, Tuple[List[_Buffer], Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+
+def _table_arrays(table: List[_Buffer]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ends, item lengths) of a sorted buffer table as int64 arrays, cached per table
+    (the table itself is kept in the cache, so its id is not reused while cached)."""
+    hit = _TABLE_ARRAYS.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    arrays = (np.array([b.start for b in table], dtype=np.int64),
+              np.array([min(b.end, (1 << 63) - 1) for b in table], dtype=np.int64),
+              np.array([b.item_len for b in table], dtype=np.int64))
+    if len(_TABLE_ARRAYS) > 256:  # one per decode session and one local: bounded anyway
+        _TABLE_ARRAYS.clear()
+    _TABLE_ARRAYS[id(table)] = (table, arrays)
+    return arrays
+
+
+class _RoomQueue:
+    """A transfer queue as its worker sees it: ``get`` notes the room of the chunk it returns."""
+
+    def __init__(self, queue, owner):
+        self._queue = queue
+        self._owner = owner
+
+    def get(self, *args, **kwargs):
+        self._owner._verify_tls.room = None
+        item = self._queue.get(*args, **kwargs)
+        room = getattr(item, "room", None)
+        self._owner._verify_tls.room = room
+        if room is not None:
+            for session in list(self._owner.transfer_infos.get(room, {}) or {}):
+                self._owner._verify_session_room[session] = room
+        return item
+
+    def __getattr__(self, name):  # put (staging re-enqueue), qsize, ...
+        return getattr(self._queue, name)
+
+
+class _Partial:
+    """One room's digest for one decode session, as prefill builds it chunk by chunk."""
+
+    __slots__ = ("digests", "pages", "unplaced")
+
+    def __init__(self):
+        self.digests: Dict[Tuple[int, int], int] = {}
+        self.pages: Dict[int, set] = {}
+        self.unplaced: Optional[str] = None
+
+    def add(self, component, buffer, value, pages):
+        key = (component, buffer)
+        self.digests[key] = (self.digests.get(key, 0) + value) & dg.MASK
+        if isinstance(pages, np.ndarray):
+            pages = pages.tolist()
+        self.pages.setdefault(component, set()).update(pages)
+
+
+class VerifiedTransferMixin:
+    """Issue 16 verification over SGLang's common status codec; see the module docstring.
+    Cooperative, outermost; an engine adapter subclasses it and feeds ``_verify_add_blocks``."""
+
+    def __init__(self, *args, **kwargs):
+        """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
+        process). The stock constructor starts the transfer and status threads, which
+        use the tables below, so they exist before ``super().__init__``.
+        """
+        self._verify_on = verify_enabled()
+        self._verify_tls = threading.local()
+        self._verify_lock = threading.Lock()
+        self._verify_session_room: Dict[str, int] = {}
+        self._verify_partials: Dict[Tuple[int, str], _Partial] = {}
+        self._verify_frames: Dict[int, Dict[int, bytes]] = {}
+        self._verify_src: Optional[Tuple[List[_Buffer], List[int]]] = None
+        self._verify_dst: Dict[str, Tuple[int, List[_Buffer], List[int]]] = {}
+        super().__init__(*args, **kwargs)
+        if self._verify_on:
+            logger.info("verified transfers on (%s=1): %s side digests every engine write",
+                        VERIFY_ENV, self.disaggregation_mode.name.lower())
+
+    # -- where the pools live --------------------------------------------------
+    def _verify_device(self) -> torch.device:
+        device = str(getattr(self.server_args, "device", "cuda") or "cuda")
+        if device.startswith("cpu"):
+            return torch.device("cpu")
+        if ":" in device:
+            return torch.device(device)
+        return torch.device(device, int(getattr(self.kv_args, "gpu_id", 0) or 0))
+
+    def _verify_local(self) -> Tuple[List[_Buffer], List[int]]:
+        if self._verify_src is None:
+            table = _local_buffers(self.kv_args, self._verify_device())
+            self._verify_src = (table, [b.start for b in table])
+        return self._verify_src
+
+    def _verify_peer(self, session: str) -> Optional[Tuple[List[_Buffer], List[int]]]:
+        """Decode ``session``'s registered buffers, items sized as prefill's counterparts."""
+        info = self.decode_kv_args_table.get(session)
+        if info is None:
+            return None
+        cached = self._verify_dst.get(session)
+        if cached is not None and cached[0] == id(info):
+            return cached[1], cached[2]
+        src, _ = self._verify_local()
+        item = {(b.component, b.index): b.item_len for b in src}
+        # A decode pool may have more buffers than prefill's (an MTP draft layer):
+        # those take the component's item length when all of prefill's agree.
+        lens: Dict[int, set] = {}
+        for b in src:
+            lens.setdefault(b.component, set()).add(b.item_len)
+        common = {c: next(iter(v)) for c, v in lens.items() if len(v) == 1}
+        table = []
+
+        def add(component, ptrs, dst_lens=()):
+            # Decode's own item lengths where its registration lists them (per KV buffer,
+            # per state buffer: head-sliced across TP sizes they differ from prefill's).
+            for b, p in enumerate(ptrs or []):
+                n = item.get((component, b), common.get(component))
+                if component == dg.KV_COMPONENT and getattr(info, "dst_kv_item_len", 0):
+                    n = int(info.dst_kv_item_len)
+                if b < len(dst_lens) and dst_lens[b]:
+                    n = int(dst_lens[b])
+                if p:
+                    # Decode's buffer lengths are not registered: a destination
+                    # address belongs to the nearest buffer start below it. An
+                    # unsized buffer (n 0) still bounds its neighbour; a block
+                    # landing in it leaves the room unverified.
+                    table.append(_Buffer(p, 1 << 62, component, b, n or 0, None))
+
+        add(dg.KV_COMPONENT, info.dst_kv_ptrs, list(getattr(info, "dst_kv_item_lens", None) or []))
+        add(dg.AUX_COMPONENT, info.dst_aux_ptrs)
+        state_lens = _state_lists(getattr(info, "dst_state_item_lens", None))
+        for i, ptrs in enumerate(_state_lists(getattr(info, "dst_state_data_ptrs", None))):
+            add(dg.STATE_COMPONENT_BASE + i, ptrs, state_lens[i] if i < len(state_lens) else ())
+        table.sort(key=lambda b: b.start)
+        for a, b in zip(table, table[1:]):
+            a.end = b.start
+        self._verify_dst[session] = (id(info), table, [b.start for b in table])
+        return table, [b.start for b in table]
+
+    # -- prefill: digest what goes to the engine ---------------------------------
+    def transfer_worker(self, queue, *args, **kwargs):
+        """Stock ``transfer_worker`` on a view of its queue that notes each chunk's room.
+
+        Contract: prefill only; SGLang's constructor starts one thread per transfer
+        queue with this as target (``queue`` then engine- and release-specific extras:
+        Mooncake's executor, NIXL's staging buffer and worker index, passed through).
+        Every item the queue yields has ``.room``. Must not change what the loop gets or does.
+        """
+        if not self._verify_on:
+            return super().transfer_worker(queue, *args, **kwargs)
+        return super().transfer_worker(_RoomQueue(queue, self), *args, **kwargs)
+
+    def _verify_room(self, session: str) -> Optional[int]:
+        room = getattr(self._verify_tls, "room", None)
+        return room if room is not None else self._verify_session_room.get(session)
+
+    def _verify_partial(self, session: str) -> Optional[_Partial]:
+        room = self._verify_room(session)
+        if room is None:
+            return None
+        with self._verify_lock:
+            return self._verify_partials.setdefault((room, session), _Partial())
+
+    def _verify_mark_unplaced(self, session: str, why: str) -> None:
+        partial = self._verify_partial(session)
+        if partial is not None and partial.unplaced is None:
+            partial.unplaced = why
+
+    def _verify_add_blocks(self, session: str, blocks) -> None:
+        partial = self._verify_partial(session)
+        if partial is None or partial.unplaced is not None:
+            return
+        src_table, _ = self._verify_local()
+        peer = self._verify_peer(session)
+        if peer is None:
+            partial.unplaced = f"decode session {session} not registered"
+            return
+        dst_table, _ = peer
+        if not src_table or not dst_table:
+            partial.unplaced = "no registered buffers to place the blocks in"
+            return
+        # Vectorised over the blocks (SGLang passes every layer's blocks of a chunk
+        # at once; a fragmented pool gives hundreds of one-run blocks): each block's
+        # source and destination buffer by binary search over the buffer starts,
+        # then whole-item blocks grouped per (source, destination) buffer so each
+        # buffer's items are digested in one call.
+        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 3)
+        src_addr, dst_addr, length = b[:, 0], b[:, 1], b[:, 2]
+        s_start, s_end, s_item = _table_arrays(src_table)
+        d_start, d_end, d_item = _table_arrays(dst_table)
+        si = np.searchsorted(s_start, src_addr, side="right") - 1
+        di = np.searchsorted(d_start, dst_addr, side="right") - 1
+        ok = (si >= 0) & (di >= 0)
+        si_c, di_c = np.where(ok, si, 0), np.where(ok, di, 0)
+        n = d_item[di_c]
+        ok &= (src_addr + length <= s_end[si_c]) & (dst_addr < d_end[di_c]) & (n > 0)
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            partial.unplaced = (f"block src 0x{int(src_addr[k]):x} dst 0x{int(dst_addr[k]):x} len {int(length[k])} "
+                                "not in a registered buffer")
+            return
+        s_off, d_off = src_addr - s_start[si], dst_addr - d_start[di]
+        whole = (s_item[si] == n) & (s_off % n == 0) & (d_off % n == 0) & (length % n == 0)
+        for k in np.flatnonzero(~whole):  # head slices, partial items: byte-granular
+            src, dst = src_table[si[k]], dst_table[di[k]]
+            lo = int(s_off[k])
+            value, pages = span_digest(src.flat()[lo:lo + int(length[k])], int(d_off[k]), dst.item_len,
+                                       dst.component, dst.index)
+            partial.add(dst.component, dst.index, value, pages)
+        if not whole.any():
+            return
+        w = np.flatnonzero(whole)
+        key = si[w] * len(dst_table) + di[w]
+        w = w[np.argsort(key, kind="stable")]  # keeps each group's blocks in order
+        key = si[w] * len(dst_table) + di[w]
+        cuts = np.flatnonzero(np.diff(key)) + 1
+        requests, placed = [], []
+        for group in np.split(w, cuts):
+            src, dst = src_table[si[group[0]]], dst_table[di[group[0]]]
+            item = dst.item_len
+            starts, counts = s_off[group] // item, length[group] // item
+            pages = run_index(d_off[group] // item, counts)
+            flat = src.flat()
+            if len(group) == 1:  # one contiguous run: digest it in place
+                s0 = int(starts[0]) * item
+                c0 = int(counts[0])
+                requests.append((flat[s0:s0 + c0 * item].view(c0, item), dst.component, dst.index, pages, None))
+            else:
+                pool = flat[: (src.end - src.start) // item * item].view(-1, item)
+                requests.append((pool, dst.component, dst.index, pages, run_index(starts, counts)))
+            placed.append((dst.component, dst.index, pages))
+        for (component, buffer, pages), value in zip(placed, rows_digests(requests)):
+            partial.add(component, buffer, value, pages)
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+        """Stock status push; a Success carries each target's digest as a trailing frame.
+
+        Contract: prefill (transfer worker via ``conclude_transfer``, or ``sender.clear``)
+        and decode (bootstrap readiness) call it with the room's decode endpoints.
+        The room's ``transfer_infos`` still name the sessions behind each endpoint.
+        Stock frames are unchanged; a stock decode parses frames 0-3 only.
+        """
+        if not self._verify_on or self.disaggregation_mode.name != "PREFILL" or status not in (_SUCCESS, _FAILED):
+            return super().send_kv_status_message(
+                targets=targets, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+        with self._verify_lock:
+            partials = {s: self._verify_partials.pop(k) for k in list(self._verify_partials)
+                        if k[0] == bootstrap_room for s in [k[1]]}
+        if int(status) != _SUCCESS or not targets:
+            return super().send_kv_status_message(
+                targets=targets, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+        infos = dict(self.transfer_infos.get(bootstrap_room, {}) or {})
+        for target in targets:
+            frame = self._verify_frame(bootstrap_room, target, infos, partials)
+            self._verify_tls.frame = frame
+            try:
+                super().send_kv_status_message(
+                    targets=[target], bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason)
+            finally:
+                self._verify_tls.frame = None
+
+    def _verify_frame(self, room, target, infos, partials) -> Optional[bytes]:
+        sessions = [s for s, info in infos.items()
+                    if not getattr(info, "is_dummy", False) and (info.endpoint, info.dst_port) == tuple(target)]
+        merged = _Partial()
+        for s in sessions:
+            p = partials.get(s)
+            if p is None:
+                continue
+            if p.unplaced is not None:
+                logger.warning("room %s: not verifiable for decode %s:%s (%s); no digest sent",
+                               room, target[0], target[1], p.unplaced)
+                return None
+            for (c, b), d in p.digests.items():
+                merged.add(c, b, d, ())
+            for c, ps in p.pages.items():
+                merged.pages.setdefault(c, set()).update(ps)
+        return dg.encode_frame(merged.digests, merged.pages)
+
+    def _encode_kv_status_message(self, *, bootstrap_room, status, failure_reason):
+        """Stock status frames, plus the digest frame ``send_kv_status_message`` set for this target.
+
+        Contract: called by ``send_kv_status_message`` (any thread) to build one
+        message; must keep stock's frames and their order.
+        """
+        parts = list(super()._encode_kv_status_message(
+            bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason))
+        frame = getattr(self._verify_tls, "frame", None)
+        if frame is not None:
+            if not self.kv_status_msg_carries_reason:
+                parts.append(b"")  # empty reason: stock reads it as None
+            parts.append(frame)
+        return parts
+
+    # -- decode: compare before Success ----------------------------------------
+    def parse_kv_status_message(self, msg):
+        """Stock parse; a Success's trailing digest frame is kept for the room.
+
+        Contract: decode's status thread calls it for every message that is not
+        aux/staging/abort; its result goes to ``apply_prefill_status`` unchanged.
+        Must not raise for any message (the thread would end).
+        """
+        parsed = super().parse_kv_status_message(msg)
+        if parsed is None or not self._verify_on:
+            return parsed
+        room, status, prefill_rank, _ = parsed
+        if status == _SUCCESS:
+            for frame in msg[4:]:
+                frame = bytes(frame)
+                if frame.startswith(dg.FRAME_MAGIC):
+                    with self._verify_lock:
+                        self._verify_frames.setdefault(room, {})[prefill_rank] = frame
+                    break
+        return parsed
+
+    def update_status(self, bootstrap_room, status):
+        """Stock ``update_status``; on decode a Success is verified first.
+
+        Contract: both sides, any SGLang thread (decode: the status thread once every
+        prefill rank reported Success). A digest mismatch records the reason and moves
+        the room to Failed instead. Must not raise.
+        """
+        if not self._verify_on or self.disaggregation_mode.name != "DECODE":
+            return super().update_status(bootstrap_room, status)
+        if int(status) == _SUCCESS:
+            with self._verify_lock:
+                frames = self._verify_frames.pop(bootstrap_room, None)
+            reason = self._verify_check(bootstrap_room, frames)
+            if reason is not None:
+                logger.error("room %s: %s", bootstrap_room, reason)
+                self.record_failure(bootstrap_room, reason)
+                return super().update_status(bootstrap_room, type(status)(_FAILED))
+        elif int(status) == _FAILED:
+            with self._verify_lock:
+                self._verify_frames.pop(bootstrap_room, None)
+        return super().update_status(bootstrap_room, status)
+
+    def _verify_check(self, room, frames) -> Optional[str]:
+        """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""
+        expected_ranks = self.required_prefill_response_num_table.get(room)
+        if not frames or (expected_ranks is not None and len(frames) < expected_ranks):
+            metrics.count("verified_transfers_total", result="unverified")
+            return None
+        try:
+            decoded = {rank: dg.decode_frame(f) for rank, f in frames.items()}
+            expected, pages, ranks = dg.merge_frames(decoded)
+            actual = self._verify_landed(expected, pages)
+        except Exception as exc:  # noqa: BLE001 - a broken frame or index fails the room, never the thread
+            metrics.count("verify_mismatches_total", component="frame")
+            return f"verified transfer: cannot check room {room}: {type(exc).__name__}: {exc}"
+        bad = dg.first_mismatch(expected, actual)
+        if bad is None:
+            metrics.count("verified_transfers_total", result="ok")
+            return None
+        c, b = bad
+        name = dg.component_name(c)
+        metrics.count("verify_mismatches_total", component=name)
+        return (
+            f"verified transfer: digest mismatch in component {name} buffer {b} from prefill rank(s) "
+            f"{ranks.get(bad)} over {len(pages.get(c, []))} decode page(s): prefill 0x{expected[bad]:016x}, "
+            f"decode 0x{actual.get(bad, 0):016x}"
+        )
+
+    def _verify_landed(self, expected, pages) -> Dict[Tuple[int, int], int]:
+        table, _ = self._verify_local()
+        by_key = {(b.component, b.index): b for b in table}
+        keys, requests = [], []
+        for (c, b) in expected:
+            buf = by_key.get((c, b))
+            if buf is None:
+                raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: decode has no such buffer")
+            ps = pages.get(c, [])
+            n_items = (buf.end - buf.start) // buf.item_len
+            if ps and (ps[0] < 0 or ps[-1] >= n_items):
+                raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: page {ps[-1]} "
+                                     f"outside decode's {n_items} pages")
+            flat = buf.flat()[: n_items * buf.item_len].view(n_items, buf.item_len)
+            keys.append((c, b))
+            requests.append((flat, c, b, ps, ps))
+        return dict(zip(keys, rows_digests(requests)))
