@@ -33,6 +33,8 @@ Names (all prefixed ``sglang_disagg_ext_``):
   by ``result`` (``ok``, or ``unverified``: some source rank sent no digest).
 * ``verify_mismatches_total``: verified rooms ended Failed, by ``component``
   (``kv``, ``aux``, ``stateN``; ``frame``: a digest frame that could not be checked).
+* ``verify_mismatch_reports_total``: on prefill, rooms it had concluded Success that a
+  decode then failed on a digest mismatch and reported back.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Rooms decode checked against the prefill digest (issue 16)", ("result",)),
     "verify_mismatches_total": (
         "counter", "Verified rooms ended Failed on a digest mismatch (issue 16)", ("component",)),
+    "verify_mismatch_reports_total": (
+        "counter", "Rooms this prefill sent that a decode reported as failing verification (issue 16)", ()),
 }
 
 _mu = threading.Lock()

@@ -991,6 +991,19 @@ def read_stock_f5() -> StockF5Facts:
     )
 
 
+def stock_bootstrap_reads_notices(cls: type) -> bool:
+    """Whether SGLang's own part of manager class ``cls`` has its prefill bootstrap loop offer
+    every decode message to ``_handle_abort_notification`` first, which returns True for a
+    message it consumed (NIXL 0.5.20+ nixl/conn.py, 0.5.23 :3376; Mooncake 0.5.22+,
+    0.5.23 mooncake/conn.py:2976). The plugin's verified transfers take their decode's
+    mismatch notice there; a class of the plugin defining it does not count."""
+    return any(
+        "_handle_abort_notification" in vars(klass)
+        for klass in cls.__mro__
+        if klass.__module__.startswith("sglang.")
+    )
+
+
 def stock_callable(cls: type, name: str):
     """SGLang's own ``cls.name``, whether or not the plugin's F5 hooks are installed.
 

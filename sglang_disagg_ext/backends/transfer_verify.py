@@ -26,7 +26,11 @@ decode pages and compares it with the sum of the ranks' partials, per
 (component, buffer). A mismatch ends the room Failed with a reason naming the
 component, buffer and source rank(s) and is counted
 (``verify_mismatches_total{component}``). Prefill has already concluded the
-room as Success and no stock message tells it otherwise: prefill is not told.
+room as Success (and released its pages), so it is told for the record: where its
+bootstrap loop hands decode's messages to ``_handle_abort_notification`` first
+(NIXL 0.5.20+, Mooncake 0.5.22+), its Success carries one more trailing frame with
+its bootstrap address, and decode sends a notice there naming room, decode rank and
+reason; prefill logs it and counts ``verify_mismatch_reports_total``.
 
 A room is left unverified (counted as ``verified_transfers_total{result="unverified"}``,
 never failed) when some source rank sent no frame (a stock or non-verifying
@@ -49,7 +53,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from sglang_disagg_ext import metrics
+from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
 from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest
@@ -59,6 +63,11 @@ logger = logging.getLogger("sglang_disagg_ext.verify")
 
 _SUCCESS = 4  # KVPoll.Success (IntEnum, same value on every supported release)
 _FAILED = 0
+# Prefill's address for decode's mismatch notice: a trailing frame after the digest frame
+# ("host|port" of prefill's bootstrap socket), sent only where that socket's loop hands
+# each message to _handle_abort_notification first (releases.stock_bootstrap_reads_notices).
+REPLY_MAGIC = b"SDXR1"
+NOTICE_TAG = b"SDXV_MISMATCH"  # decode -> prefill: [tag, room, decode rank, reason]
 
 
 # -- tensors over registered buffers --------------------------------------------
@@ -190,6 +199,7 @@ class VerifiedTransferMixin:
         self._verify_session_room: Dict[str, int] = {}
         self._verify_partials: Dict[Tuple[int, str], _Partial] = {}
         self._verify_frames: Dict[int, Dict[int, bytes]] = {}
+        self._verify_replies: Dict[int, Dict[int, Tuple[str, int]]] = {}
         self._verify_src: Optional[Tuple[List[_Buffer], List[int]]] = None
         self._verify_dst: Dict[str, Tuple[int, List[_Buffer], List[int]]] = {}
         super().__init__(*args, **kwargs)
@@ -398,7 +408,8 @@ class VerifiedTransferMixin:
         return dg.encode_frame(merged.digests, merged.pages)
 
     def _encode_kv_status_message(self, *, bootstrap_room, status, failure_reason):
-        """Stock status frames, plus the digest frame ``send_kv_status_message`` set for this target.
+        """Stock status frames, plus the digest frame ``send_kv_status_message`` set for this
+        target (and prefill's reply address where it can hear a mismatch notice).
 
         Contract: called by ``send_kv_status_message`` (any thread) to build one
         message; must keep stock's frames and their order.
@@ -410,11 +421,22 @@ class VerifiedTransferMixin:
             if not self.kv_status_msg_carries_reason:
                 parts.append(b"")  # empty reason: stock reads it as None
             parts.append(frame)
+            reply = self._verify_reply_frame()
+            if reply is not None:
+                parts.append(reply)
         return parts
+
+    def _verify_reply_frame(self) -> Optional[bytes]:
+        if not releases.stock_bootstrap_reads_notices(type(self)):
+            return None
+        host, port = getattr(self, "local_ip", None), getattr(self, "rank_port", None)
+        if not host or not port:
+            return None
+        return REPLY_MAGIC + f"{host}|{int(port)}".encode("utf-8")
 
     # -- decode: compare before Success ----------------------------------------
     def parse_kv_status_message(self, msg):
-        """Stock parse; a Success's trailing digest frame is kept for the room.
+        """Stock parse; a Success's trailing digest frame (and reply address) is kept for the room.
 
         Contract: decode's status thread calls it for every message that is not
         aux/staging/abort; its result goes to ``apply_prefill_status`` unchanged.
@@ -430,30 +452,76 @@ class VerifiedTransferMixin:
                 if frame.startswith(dg.FRAME_MAGIC):
                     with self._verify_lock:
                         self._verify_frames.setdefault(room, {})[prefill_rank] = frame
-                    break
+                elif frame.startswith(REPLY_MAGIC):
+                    host, _, port = frame[len(REPLY_MAGIC):].decode("utf-8", "replace").rpartition("|")
+                    if host and port.isdigit():
+                        with self._verify_lock:
+                            self._verify_replies.setdefault(room, {})[prefill_rank] = (host, int(port))
         return parsed
 
     def update_status(self, bootstrap_room, status):
         """Stock ``update_status``; on decode a Success is verified first.
 
         Contract: both sides, any SGLang thread (decode: the status thread once every
-        prefill rank reported Success). A digest mismatch records the reason and moves
-        the room to Failed instead. Must not raise.
+        prefill rank reported Success). A digest mismatch records the reason, moves
+        the room to Failed instead and tells the prefill ranks that gave a reply
+        address. Must not raise.
         """
         if not self._verify_on or self.disaggregation_mode.name != "DECODE":
             return super().update_status(bootstrap_room, status)
         if int(status) == _SUCCESS:
             with self._verify_lock:
                 frames = self._verify_frames.pop(bootstrap_room, None)
+                replies = self._verify_replies.pop(bootstrap_room, None)
             reason = self._verify_check(bootstrap_room, frames)
             if reason is not None:
                 logger.error("room %s: %s", bootstrap_room, reason)
                 self.record_failure(bootstrap_room, reason)
+                self._verify_tell_prefill(bootstrap_room, reason, replies or {})
                 return super().update_status(bootstrap_room, type(status)(_FAILED))
         elif int(status) == _FAILED:
             with self._verify_lock:
                 self._verify_frames.pop(bootstrap_room, None)
+                self._verify_replies.pop(bootstrap_room, None)
         return super().update_status(bootstrap_room, status)
+
+    def _verify_tell_prefill(self, room: int, reason: str, replies: Dict[int, Tuple[str, int]]) -> None:
+        """One notice to each prefill rank's bootstrap socket (SGLang's cached PUSH socket
+        per endpoint); a send that fails is logged, the room stays Failed either way."""
+        decode_rank = str(getattr(self.kv_args, "engine_rank", "?")).encode("ascii", "replace")
+        parts = [NOTICE_TAG, str(room).encode("ascii"), decode_rank, reason.encode("utf-8")]
+        for host, port in sorted(set(replies.values())):
+            ipv6 = ":" in host
+            endpoint = f"tcp://[{host}]:{port}" if ipv6 else f"tcp://{host}:{port}"
+            try:
+                self._send_multipart_locked(endpoint, parts, is_ipv6=ipv6)
+            except Exception:  # noqa: BLE001 - the room is Failed on decode whatever prefill hears
+                logger.exception("room %s: could not tell prefill %s of the mismatch", room, endpoint)
+
+    # -- prefill: decode's mismatch notice ----------------------------------------
+    def _handle_abort_notification(self, msg) -> bool:
+        """Stock's check for decode's ``ABORT`` message; a mismatch notice is taken here.
+
+        Contract: prefill's bootstrap thread offers it every message it receives before
+        reading it as a registration or transfer info (see
+        ``releases.stock_bootstrap_reads_notices``); True means consumed. The room
+        concluded Success on prefill before decode checked it, so the notice is logged
+        and counted (``verify_mismatch_reports_total``); nothing of the room is left to
+        fail here. Must not raise.
+        """
+        if msg and bytes(msg[0]) == NOTICE_TAG:
+            try:
+                room = bytes(msg[1]).decode("ascii")
+                rank = bytes(msg[2]).decode("ascii", "replace")
+                reason = bytes(msg[3]).decode("utf-8", "replace")
+            except (IndexError, UnicodeDecodeError):
+                logger.error("verified transfers: malformed mismatch notice of %d frames", len(msg))
+                return True
+            metrics.count("verify_mismatch_reports_total")
+            logger.error("room %s, concluded Success here: decode rank %s failed it on verification: %s",
+                         room, rank, reason)
+            return True
+        return super()._handle_abort_notification(msg)
 
     def _verify_check(self, room, frames) -> Optional[str]:
         """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""

@@ -13,8 +13,10 @@ every destination byte itself, independently of the digest.
 * No false alarm: many random valid transfers with verification on, all
   Success, every byte checked by the harness, every one counted as verified.
 
-Verification needs SGLang's common status codec (0.5.22+); on older releases
-the verified cases are skipped (``verification.available``).
+Verification needs SGLang's common status codec (0.5.20+); on older releases
+the verified cases are skipped (``verification.available``). Where Mooncake's
+prefill bootstrap loop takes decode's notices (0.5.22+), decode's mismatch
+notice reaches prefill and is counted there.
 
 ``SGLANG_DISAGG_EXT_RANDOM_TRANSFERS`` (default 150) sets the random transfers
 per page size; CI runs the default, a long run sets e.g. 500 (1,000 in all).
@@ -22,21 +24,14 @@ per page size; CI runs the default, a long run sets e.g. 500 (1,000 in all).
 
 import os
 import random
+import re
 
 import pytest
 
 from sglang_disagg_ext import releases, verification
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.harness.scenario import (
-    KVPoolSpec,
-    RequestSpec,
-    Scenario,
-    StatePoolSpec,
-    StateSpec,
-    Timeouts,
-    kv_only,
-    with_state,
-)
+from sglang_disagg_ext.selftest.harness.scenario import Timeouts, kv_only, with_state
+from support.random_transfers import random_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -47,6 +42,15 @@ SHORT = Timeouts(request_s=20, sglang_waiting_s=6, sglang_bootstrap_s=6)
 
 
 WHY_NOT = verification.available(POLICY)["mooncake-ext"]
+
+
+def _prefill_hears() -> bool:
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    return releases.stock_bootstrap_reads_notices(MooncakeKVManager)
+
+
+PREFILL_HEARS = _prefill_hears()
 needs_verify = pytest.mark.skipif(bool(WHY_NOT), reason=f"verified transfers not available here: {WHY_NOT}")
 
 
@@ -108,34 +112,15 @@ def test_flipped_byte_fails_the_room_with_verification(case):
     assert req.decode_status == "Failed", result.describe()
     reason = req.decode_failure_reason or ""
     assert f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) [0]" in reason, reason
-    # Prefill had concluded Success before decode checked; no stock message tells it otherwise.
+    # Prefill had concluded Success before decode checked (it is told afterwards, below).
     assert req.prefill_status == "Success", result.describe()
     assert f'sglang_disagg_ext_verify_mismatches_total{{component="{component}"}} 1.0' in result.plugin_metrics["decode"]
+    # Prefill is told where its bootstrap loop takes decode's notices (0.5.22+): counted there.
+    told = re.search(r"sglang_disagg_ext_verify_mismatch_reports_total ([0-9.]+)", result.plugin_metrics["prefill"])
+    assert (float(told.group(1)) if told else 0.0) == (1.0 if PREFILL_HEARS else 0.0), result.plugin_metrics["prefill"]
 
 
 KINDS = ("swa", "nsa", "dsv4", "mamba")
-
-
-def _random_scenario(rng: random.Random, n: int, page_size: int) -> Scenario:
-    kv_pages, state_pages = 24, 12
-    requests = []
-    for _ in range(n):
-        length = rng.randint(0, 6)
-        state = []
-        for kind in KINDS:
-            s_len = 1 if kind == "mamba" else rng.randint(0, 4)  # mamba: one slot to one slot
-            state.append(StateSpec(kind, rng.sample(range(state_pages), s_len), rng.sample(range(state_pages), s_len)))
-        requests.append(RequestSpec(
-            rng.sample(range(kv_pages), length), rng.sample(range(kv_pages), length),
-            aux_index=rng.randrange(8), dst_aux_index=rng.randrange(8), state=state, send_chunks=rng.randint(1, 3),
-        ))
-    return Scenario(
-        name=f"verify: {n} random transfers, page size {page_size}",
-        requests=requests,
-        page_size=page_size,
-        kv=KVPoolSpec(num_pages=kv_pages, head_num=2, head_dim=16),
-        state_pools=[StatePoolSpec(kind=k, num_pages=state_pages, num_layers=2) for k in KINDS],
-    )
 
 
 @needs_verify
@@ -145,7 +130,8 @@ def test_no_false_alarm_over_random_transfers(page_size):
     """Random page maps and lengths (empty included), chunking, aux rows, and every
     state kind in one request; every request Success and byte-checked by the harness."""
     n = int(os.environ.get("SGLANG_DISAGG_EXT_RANDOM_TRANSFERS", "150"))
-    scenario = _random_scenario(random.Random(16 + page_size), n, page_size)
+    scenario = random_scenario(random.Random(16 + page_size), n, page_size, KINDS,
+                               f"verify: {n} random transfers, page size {page_size}")
     result = run_scenario(scenario, "mooncake-ext", extra_env=VERIFY, timeout_s=max(240, n * 0.5))
     assert result.ok, result.describe()
     assert len(result.requests) == n

@@ -36,14 +36,8 @@ from sglang_disagg_ext import releases, verification
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness import nixl_shim
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.harness.scenario import (
-    KVPoolSpec,
-    RequestSpec,
-    Scenario,
-    StatePoolSpec,
-    StateSpec,
-    Timeouts,
-)
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec, Timeouts
+from support.random_transfers import random_scenario
 
 POLICY = releases.current_policy()
 WHY_NOT = verification.available(POLICY)["nixl-ext"]
@@ -134,39 +128,27 @@ def test_landed_flip_fails_the_room_with_verification(case):
     want = f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) {ranks}"
     # Every decode rank flipped its own copy of the page: every one fails, each naming it.
     assert reason.count(want) == max(1, len([n for n in _decode_ranks(result) if n != "decode"])), reason
-    # Prefill had concluded Success before decode checked; no stock message tells it otherwise.
+    # Prefill had concluded Success before decode checked (it is told afterwards, below).
     assert req.prefill_status == "Success", result.describe()
     metrics = "".join(v for k, v in result.plugin_metrics.items() if k.startswith("decode"))
     assert f'sglang_disagg_ext_verify_mismatches_total{{component="{component}"}} 1.0' in metrics, metrics
+    # ... and each prefill rank is told by each decode rank that failed the room.
+    decodes = max(1, len([n for n in _decode_ranks(result) if n != "decode"]))
+    for role, text in result.plugin_metrics.items():
+        if role.startswith("prefill"):
+            assert _reports(text) == float(decodes), (role, text)
 
 
 KINDS = ("swa", "nsa", "dsv4", "mamba")
 MULTI_RANK_KINDS = ("swa", "dsv4")  # the harness's multi-rank pools: paged state (NSA: see below)
 
 
-def _random_scenario(rng: random.Random, n: int, page_size: int, kinds, p=1, d=1) -> Scenario:
-    kv_pages, state_pages = 24, 12
-    requests = []
-    for _ in range(n):
-        length = rng.randint(0, 6)
-        state = []
-        for kind in kinds:
-            s_len = 1 if kind == "mamba" else rng.randint(0, 4)  # mamba: one slot to one slot
-            state.append(StateSpec(kind, rng.sample(range(state_pages), s_len), rng.sample(range(state_pages), s_len)))
-        requests.append(RequestSpec(
-            rng.sample(range(kv_pages), length), rng.sample(range(kv_pages), length),
-            aux_index=rng.randrange(8), dst_aux_index=rng.randrange(8), state=state, send_chunks=rng.randint(1, 3),
-        ))
-    return Scenario(
-        name=f"nixl verify: {n} random transfers, page size {page_size}, tp{p}->tp{d}",
-        requests=requests,
-        page_size=page_size,
-        kv=KVPoolSpec(num_pages=kv_pages, head_num=HEADS, head_dim=HEAD_DIM),
-        state_pools=[StatePoolSpec(kind=k, num_pages=state_pages, num_layers=2, head_num=HEADS, head_dim=HEAD_DIM)
-                     for k in kinds],
-        prefill_tp=p,
-        decode_tp=d,
-    )
+def _reports(metrics_text: str) -> float:
+    """``verify_mismatch_reports_total`` in one worker's metrics (0 where never counted); the
+    report reaches prefill's bootstrap thread after decode failed the room, so the worker's
+    metrics are read at its exit."""
+    m = re.search(r"sglang_disagg_ext_verify_mismatch_reports_total ([0-9.]+)", metrics_text)
+    return float(m.group(1)) if m else 0.0
 
 
 def _counted_ok(result) -> list:
@@ -191,8 +173,10 @@ def test_no_false_alarm_over_random_transfers(shape):
     p, d = (1, 1) if equal else tuple(int(x) for x in shape[2:].split("->"))
     n = n if equal else max(8, n // 4)
     page_size = 4 if shape == "tp1 page4" else 1
-    scenario = _random_scenario(random.Random(16 + 7 * p + d + page_size), n, page_size,
-                                KINDS if equal else MULTI_RANK_KINDS, p, d)
+    scenario = random_scenario(random.Random(16 + 7 * p + d + page_size), n, page_size,
+                               KINDS if equal else MULTI_RANK_KINDS,
+                               f"nixl verify: {n} random transfers, page size {page_size}, tp{p}->tp{d}",
+                               kv_heads=(HEADS, HEAD_DIM), state_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d)
     result = run_scenario(scenario, "nixl-ext", extra_env={nixl_shim.ENV: "1", **VERIFY}, timeout_s=max(240, n * 0.8))
     assert result.ok, result.describe()
     assert len(result.requests) == n

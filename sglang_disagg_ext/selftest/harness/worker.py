@@ -896,6 +896,9 @@ class Worker:
         done_files = self.args.done_files.split(os.pathsep) if self.args.done_files else [self.args.done_file]
         while time.monotonic() < end and not all(os.path.exists(f) for f in done_files):
             time.sleep(0.05)
+        # Once more, for counters that move after this rank's own requests ended: a decode's
+        # verification-mismatch notice reaches prefill after prefill concluded the room.
+        self.write_result()
         sys.stdout.flush()
         sys.stderr.flush()
         return 0
