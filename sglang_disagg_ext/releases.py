@@ -585,6 +585,17 @@ class SGLangFeatures:
         return all(hasattr(MooncakeKVManager, n) for n in ("build_receiver_registration_message", "_make_worker_recv"))
 
     @functools.cached_property
+    def mori_status_codec(self) -> bool:
+        """Whether MoRI concludes a room through SGLang's common status codec: prefill's
+        ``conclude_transfer`` -> ``send_kv_status_message``, decode's worker ->
+        ``parse_kv_status_message`` (0.5.20+, 0.5.23 mori/conn.py:658, :1022). Up to 0.5.19
+        MoRI builds and reads its own status message (``notify_decode_status``)."""
+        # Read, not imported: MoRI's module imports its engine at the top.
+        text = _stock_disaggregation_source("mori/conn.py")
+        called = {node.attr for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute)} if text else set()
+        return {"conclude_transfer", "parse_kv_status_message"} <= called
+
+    @functools.cached_property
     def nixl_success_via_listener_only(self) -> bool:
         """Whether a NIXL decode learns a room's Success only from prefill's ``KV_STATUS``
         message on its listener thread (0.5.23: ``NixlKVReceiver.poll`` reads

@@ -11,7 +11,8 @@ import) so that ``doctor`` and ``selftest`` can say what the switch does here.
 from __future__ import annotations
 
 import os
-from typing import Dict
+import logging
+from typing import Callable, Dict
 
 from sglang_disagg_ext import releases
 
@@ -38,15 +39,34 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
         reason = f"SGLang {policy.version or '(not installed)'} is not supported"
         return {ext: reason for ext in releases.EXT_BACKENDS}
     for ext, base in releases.EXT_BACKENDS.items():
-        if base == "mori":
-            out[ext] = "not built yet for this backend (issue 16 covers Mooncake and NIXL first)"
-        elif not policy.routes(base):
+        if not policy.routes(base):
             out[ext] = f"{ext} passes through to stock on SGLang {policy.version}"
         elif base == "mooncake" and not releases.features().kv_status_codec:
             out[ext] = f"SGLang {policy.version} has no common status codec (parse_kv_status_message, 0.5.20+)"
+        elif base == "mori" and (policy.is_live("F3") or not releases.features().mori_status_codec):
+            out[ext] = (f"MoRI on SGLang {policy.version} does not conclude rooms through SGLang's common "
+                        "status codec (0.5.20+; F3's own wire format on 0.5.12.x)")
         elif base == "nixl" and not releases.features().nixl_success_via_listener_only:
             out[ext] = (f"a NIXL decode on SGLang {policy.version} also concludes Success from NIXL "
                         "notifications, where no digest travels (0.5.23+ only)")
         else:
             out[ext] = ""
     return out
+
+
+def with_verification(cls: type, ext: str, policy: releases.ReleasePolicy, mixin: Callable[[], type],
+                      log: logging.Logger) -> type:
+    """``cls`` with the verified-transfer ``mixin()`` in front (outermost: its digest sees every
+    engine write the fixes let through, its decode check runs before any Success) where the
+    switch asks for it and :func:`available` says ``ext`` can verify on this release; else
+    ``cls``, with a warning naming why when the switch is on. ``mixin`` is imported only then
+    (it brings torch)."""
+    if not enabled():
+        return cls
+    why = available(policy).get(ext, "")
+    if why:
+        log.warning("%s=1: %s; %s transfers are not verified", VERIFY_ENV, why, ext)
+        return cls
+    m = mixin()
+    return type(f"{cls.__name__}_V", (m, cls),
+                {"__module__": cls.__module__, "__doc__": f"{cls.__doc__} With {m.__name__}."})

@@ -679,7 +679,9 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     if policy.is_live("F12") and not policy.is_live("F3"):
         from sglang_disagg_ext.backends.mori_newest import ext_classes as ordered_classes
 
-        return ordered_classes()
+        classes = ordered_classes()
+        classes["MoriKVManager"] = _with_verification(classes["MoriKVManager"], policy)
+        return classes
     # F3 live only: on patched sources (F3 upstream there) the stock MoRI
     # classes carry the fix and the plugin's wire format must not be imposed.
     if not policy.is_live("F3"):
@@ -690,3 +692,14 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         "MoriKVReceiver": MoriExtKVReceiver,
         "MoriKVBootstrapServer": MoriExtKVBootstrapServer,
     }
+
+
+def _with_verification(cls: type, policy: ReleasePolicy) -> type:
+    from sglang_disagg_ext import verification
+
+    def mixin() -> type:
+        from sglang_disagg_ext.backends.mori_verify import MoriVerifiedTransferMixin
+
+        return MoriVerifiedTransferMixin
+
+    return verification.with_verification(cls, "mori-ext", policy, mixin, logger)

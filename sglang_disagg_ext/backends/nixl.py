@@ -980,17 +980,11 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
 
 
 def _with_verification(cls: type, policy: ReleasePolicy) -> type:
-    """``cls`` with issue 16's verified transfers in front where the switch asks for them
-    and this release's NIXL decode learns Success from the status message alone."""
     from sglang_disagg_ext import verification
 
-    if not verification.enabled():
-        return cls
-    why = verification.available(policy).get("nixl-ext", "")
-    if why:
-        logger.warning("%s=1: %s; NIXL transfers are not verified", verification.VERIFY_ENV, why)
-        return cls
-    from sglang_disagg_ext.backends.nixl_verify import NixlVerifiedTransferMixin
+    def mixin() -> type:
+        from sglang_disagg_ext.backends.nixl_verify import NixlVerifiedTransferMixin
 
-    return type(f"{cls.__name__}_V", (NixlVerifiedTransferMixin, cls),
-                {"__module__": cls.__module__, "__doc__": f"{cls.__doc__} With NixlVerifiedTransferMixin."})
+        return NixlVerifiedTransferMixin
+
+    return verification.with_verification(cls, "nixl-ext", policy, mixin, logger)

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger
+from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
 
 _DLIST_MEMORY = 256  # descriptor lists remembered between get_xfer_descs and their use
 
@@ -70,6 +70,8 @@ class RecordingAgent:
     """A ``nixl_agent`` whose WRITE transfers are reported to ``on_write(peer, blocks, why)``
     before they are created (``blocks``: ``N x 3`` int64 ``(src, dst, length)``; ``why`` when
     they cannot be known). Every other attribute is the agent's own; results are the agent's."""
+
+    _verify_wrapped = True
 
     def __init__(self, agent, on_write: WriteSink):
         self._agent = agent
@@ -144,22 +146,12 @@ class RecordingAgent:
 class NixlVerifiedTransferMixin(VerifiedTransferMixin):
     """NIXL's entry: the blocks of each WRITE transfer the manager creates (see the module)."""
 
-    @property
-    def agent(self):
+    agent = recorded_attribute(
+        "_verify_nixl_agent", lambda self, agent: RecordingAgent(agent, self._verify_nixl_write),
         """The manager's NIXL agent; with verification on, wrapped in :class:`RecordingAgent`.
 
-        Contract: SGLang's constructor assigns ``self.agent`` once (both sides) and
-        every thread uses it afterwards; the wrapper changes no argument or result."""
-        try:
-            return self.__dict__["_verify_nixl_agent"]
-        except KeyError:
-            raise AttributeError("agent") from None
-
-    @agent.setter
-    def agent(self, value):
-        if self._verify_on and value is not None and not isinstance(value, RecordingAgent):
-            value = RecordingAgent(value, self._verify_nixl_write)
-        self.__dict__["_verify_nixl_agent"] = value
+        Contract: SGLang's constructor assigns ``self.agent`` once (both sides) and every
+        thread uses it afterwards; the wrapper changes no argument or result.""")
 
     def _verify_nixl_write(self, peer: str, blocks: Optional[np.ndarray], why: Optional[str]) -> None:
         """One WRITE transfer about to be created (transfer worker thread, prefill). Must

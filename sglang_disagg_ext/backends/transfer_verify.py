@@ -100,7 +100,7 @@ class _Buffer:
         return self._flat
 
 
-def _state_lists(values) -> List[List[int]]:
+def state_lists(values) -> List[List[int]]:
     """State pointers/lengths per component: list-of-lists (0.5.12+) or one flat list (older)."""
     values = list(values or [])
     if values and isinstance(values[0], (list, tuple)):
@@ -118,9 +118,9 @@ def _local_buffers(kv_args, device) -> List[_Buffer]:
 
     add(dg.KV_COMPONENT, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens)
     add(dg.AUX_COMPONENT, kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens)
-    ptrs = _state_lists(getattr(kv_args, "state_data_ptrs", None))
-    lens = _state_lists(getattr(kv_args, "state_data_lens", None))
-    items = _state_lists(getattr(kv_args, "state_item_lens", None))
+    ptrs = state_lists(getattr(kv_args, "state_data_ptrs", None))
+    lens = state_lists(getattr(kv_args, "state_data_lens", None))
+    items = state_lists(getattr(kv_args, "state_item_lens", None))
     for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
         add(dg.STATE_COMPONENT_BASE + i, p, n, it)
     out.sort(key=lambda b: b.start)
@@ -145,7 +145,7 @@ def _table_arrays(table: List[_Buffer]) -> Tuple[np.ndarray, np.ndarray, np.ndar
     return arrays
 
 
-class _RoomQueue:
+class RoomQueue:
     """A transfer queue as its worker sees it: ``get`` notes the room of the chunk it returns."""
 
     def __init__(self, queue, owner):
@@ -182,6 +182,26 @@ class _Partial:
         if isinstance(pages, np.ndarray):
             pages = pages.tolist()
         self.pages.setdefault(component, set()).update(pages)
+
+
+def recorded_attribute(key: str, wrap, doc: str) -> property:
+    """A property for the engine object SGLang's constructor assigns (NIXL's ``agent``, MoRI's
+    ``engine``): with verification on, the value is stored as ``wrap(manager, value)``, so every
+    later use (every thread, every helper SGLang hands it to) goes through the wrapper. None
+    (teardown) and an already wrapped value are stored as they are."""
+
+    def get(self):
+        try:
+            return self.__dict__[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def set(self, value):
+        if self._verify_on and value is not None and getattr(value, "_verify_wrapped", False) is not True:
+            value = wrap(self, value)
+        self.__dict__[key] = value
+
+    return property(get, set, doc=doc)
 
 
 class VerifiedTransferMixin:
@@ -256,16 +276,23 @@ class VerifiedTransferMixin:
                     # landing in it leaves the room unverified.
                     table.append(_Buffer(p, 1 << 62, component, b, n or 0, None))
 
-        add(dg.KV_COMPONENT, info.dst_kv_ptrs, list(getattr(info, "dst_kv_item_lens", None) or []))
-        add(dg.AUX_COMPONENT, info.dst_aux_ptrs)
-        state_lens = _state_lists(getattr(info, "dst_state_item_lens", None))
-        for i, ptrs in enumerate(_state_lists(getattr(info, "dst_state_data_ptrs", None))):
+        kv_ptrs, aux_ptrs, state_ptrs = self._verify_dst_pointers(info)
+        add(dg.KV_COMPONENT, kv_ptrs, list(getattr(info, "dst_kv_item_lens", None) or []))
+        add(dg.AUX_COMPONENT, aux_ptrs)
+        state_lens = state_lists(getattr(info, "dst_state_item_lens", None))
+        for i, ptrs in enumerate(state_ptrs):
             add(dg.STATE_COMPONENT_BASE + i, ptrs, state_lens[i] if i < len(state_lens) else ())
         table.sort(key=lambda b: b.start)
         for a, b in zip(table, table[1:]):
             a.end = b.start
         self._verify_dst[session] = (id(info), table, [b.start for b in table])
         return table, [b.start for b in table]
+
+    def _verify_dst_pointers(self, info) -> Tuple[List[int], List[int], List[List[int]]]:
+        """Decode's registered buffer starts (KV, aux, state per component) in its
+        registration ``info``; Mooncake and NIXL list them as pointers."""
+        return (list(info.dst_kv_ptrs or []), list(info.dst_aux_ptrs or []),
+                state_lists(getattr(info, "dst_state_data_ptrs", None)))
 
     # -- prefill: digest what goes to the engine ---------------------------------
     def transfer_worker(self, queue, *args, **kwargs):
@@ -278,7 +305,7 @@ class VerifiedTransferMixin:
         """
         if not self._verify_on:
             return super().transfer_worker(queue, *args, **kwargs)
-        return super().transfer_worker(_RoomQueue(queue, self), *args, **kwargs)
+        return super().transfer_worker(RoomQueue(queue, self), *args, **kwargs)
 
     def _verify_room(self, session: str) -> Optional[int]:
         room = getattr(self._verify_tls, "room", None)

@@ -31,7 +31,7 @@ import pytest
 from sglang_disagg_ext import releases, verification
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import Timeouts, kv_only, with_state
-from support.random_transfers import random_scenario
+from support.verify_cases import random_scenario
 
 pytestmark = pytest.mark.engine
 

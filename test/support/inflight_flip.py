@@ -88,7 +88,8 @@ def flip_one_landed_byte(mgr) -> None:
     For engines whose writes the harness cannot catch mid-call (NIXL posts a
     transfer and completes it later, from descriptor lists), the byte goes wrong
     at the destination instead: ``mgr.apply_prefill_status`` is shadowed, and on
-    the first Success a prefill rank reports it flips (XOR 0xFF) byte
+    the ``SGLANG_HARNESS_FLIP_AFTER_SUCCESSES``-th Success a prefill rank reports
+    (default 1; the test sets its prefill TP size) it flips (XOR 0xFF) byte
     ``SGLANG_HARNESS_FLIP_OFFSET`` of page ``SGLANG_HARNESS_FLIP_PAGE`` of the
     chosen decode buffer, then lets SGLang (and ``-ext``'s check, inside
     ``update_status``) handle the Success. The bytes landed right and were then
@@ -103,15 +104,21 @@ def flip_one_landed_byte(mgr) -> None:
     target = start + page * _item_len(mgr.kv_args, component, index) + offset
     if not start <= target < start + nbytes:
         raise ValueError(f"flip target page {page} offset {offset} outside {component} buffer {index}")
+    # Several prefill ranks each write part of the page and report their own Success: flip at
+    # the last one's, after every part landed (an earlier flip could be overwritten).
+    successes = int(os.environ.get("SGLANG_HARNESS_FLIP_AFTER_SUCCESSES", "1"))
     stock = mgr.apply_prefill_status
-    fired = threading.Event()
+    seen = []
+    lock = threading.Lock()
 
     def apply_prefill_status(*args, **kwargs):
         status = kwargs.get("status", args[1] if len(args) > 1 else None)
-        if status is not None and int(status) == 4 and not fired.is_set():  # KVPoll.Success
-            fired.set()
-            byte = ctypes.c_uint8.from_address(target)
-            byte.value ^= 0xFF
+        if status is not None and int(status) == 4:  # KVPoll.Success
+            with lock:
+                seen.append(1)
+                if len(seen) == successes:
+                    byte = ctypes.c_uint8.from_address(target)
+                    byte.value ^= 0xFF
         return stock(*args, **kwargs)
 
     mgr.apply_prefill_status = apply_prefill_status

@@ -1,0 +1,107 @@
+"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), 0.5.20+ (CI: 0.5.23).
+
+MoRI's engine needs its RDMA stack, which this machine does not have: both sides run
+SGLang's real MoRI managers over the MoRI stand-in (``test/support/mori_standin``, the
+narrowest replacement: MoRI's ``IOEngine`` API over host memcpy and TCP; metadata rows
+through the engine, ``aux_rdma``), as every MoRI test here does. Nothing of the code under
+test is replaced.
+
+Injection: ``test/support/inflight_flip.py::flip_one_landed_byte`` (decode manager hook):
+one byte of one landed decode page flipped when prefill's Success reaches decode's
+``apply_prefill_status``, before SGLang (and ``-ext``'s check inside ``update_status``)
+handles it; the same fault for stock and ``-ext``. The harness checks every destination
+byte itself.
+
+* Stock ``mori`` and unverified ``mori-ext``: Success with the wrong byte.
+* Verified ``mori-ext``: Failed naming component, decode buffer and prefill rank(s), for
+  KV, the aux row, each state kind, TP 2->1 and 1->2 (KV).
+* No false alarm: random valid transfers (every state kind at equal TP; KV across TP
+  sizes, where stock MoRI refuses SWA state), all Success and byte-checked, all counted.
+
+MoRI's prefill never reads decode's mismatch notice (no ``_handle_abort_notification`` in
+its bootstrap loop): prefill is not told, and nothing is counted there.
+"""
+
+import os
+import random
+
+import pytest
+from conftest import required_part
+
+from sglang_disagg_ext import releases, verification
+from sglang_disagg_ext.selftest.harness.run import run_scenario
+from sglang_disagg_ext.selftest.scenarios import mori as selftest_mori
+from support.verify_cases import (
+    HEAD_DIM,
+    HEADS,
+    assert_flip_failed_by_digest,
+    assert_flip_unnoticed,
+    counted_ok,
+    flip_cases,
+    landed_flip_env,
+    random_scenario,
+)
+
+POLICY = releases.current_policy()
+WHY_NOT = verification.available(POLICY)["mori-ext"]
+pytestmark = [
+    pytest.mark.engine,
+    required_part("the MoRI stand-in", selftest_mori.standin_dir() is not None, "test/support/mori_standin is missing"),
+    pytest.mark.skipif(bool(WHY_NOT), reason=f"verified MoRI transfers not available here: {WHY_NOT}"),
+]
+
+VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
+
+
+def _env(**extra) -> dict:
+    env = dict(selftest_mori.standin_env(aux_rdma=True))
+    env.update(extra)
+    return env
+
+
+def _flip_env(component: str, buffer: int, page: int, prefill_tp: int = 1) -> dict:
+    return _env(**landed_flip_env(component, buffer, page, prefill_tp))
+
+
+CASES = flip_cases("mori")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["mori", "mori-ext"])
+def test_landed_flip_goes_unnoticed_without_verification(backend):
+    build, component, buffer, page, _ = CASES["kv"]
+    assert_flip_unnoticed(run_scenario(build(), backend, extra_env=_flip_env(component, buffer, page)), buffer, page)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(CASES))
+def test_landed_flip_fails_the_room_with_verification(case):
+    build, component, buffer, page, ranks = CASES[case]
+    scn = build()
+    result = run_scenario(scn, "mori-ext", extra_env={**VERIFY, **_flip_env(component, buffer, page, scn.prefill_tp)})
+    # MoRI's prefill cannot hear decode's notice: not told, nothing counted there.
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=False)
+
+
+KINDS = ("swa", "nsa", "dsv4", "mamba")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("shape", ["tp1 page1", "tp1 page4", "tp2->1", "tp1->2"])
+def test_no_false_alarm_over_random_transfers(shape):
+    """Random page maps and lengths (empty included), chunking, aux rows; every state kind at
+    equal TP, KV alone across TP sizes; every request Success, byte-checked by the harness and
+    counted as verified on every decode rank."""
+    n = int(os.environ.get("SGLANG_DISAGG_EXT_RANDOM_TRANSFERS", "150"))
+    equal = shape.startswith("tp1 ")
+    p, d = (1, 1) if equal else tuple(int(x) for x in shape[2:].split("->"))
+    n = n if equal else max(8, n // 4)
+    page_size = 4 if shape == "tp1 page4" else 1
+    scenario = random_scenario(random.Random(61 + 7 * p + d + page_size), n, page_size, KINDS if equal else (),
+                               f"mori verify: {n} random transfers, page size {page_size}, tp{p}->tp{d}",
+                               kv_heads=(HEADS, HEAD_DIM), state_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d)
+    result = run_scenario(scenario, "mori-ext", extra_env=_env(**VERIFY), timeout_s=max(240, n * 0.8))
+    assert result.ok, result.describe()
+    assert len(result.requests) == n
+    assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
+    assert counted_ok(result) == [float(n)] * d, result.plugin_metrics

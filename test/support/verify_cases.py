@@ -1,0 +1,140 @@
+"""Scenarios of the verified-transfer tests (``test_mooncake_verify``, ``test_nixl_verify``,
+``test_mori_verify``): random valid transfers (page maps, lengths, empty included, chunking,
+aux rows and the given state kinds, every index inside its pool), and the one-request
+scenarios with the landed byte each flip case changes (pages derived by hand below).
+Test-only; outside the wheel."""
+
+import os
+import random
+import re
+from typing import Sequence
+
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec, Timeouts
+
+KV_PAGES, STATE_PAGES = 24, 12
+
+
+def random_scenario(rng: random.Random, n: int, page_size: int, kinds: Sequence[str], name: str,
+                    kv_heads=(2, 16), state_heads=(1, 16), prefill_tp: int = 1, decode_tp: int = 1) -> Scenario:
+    """``n`` requests; ``kv_heads`` / ``state_heads``: (heads, head dim) of the KV and state pools."""
+    requests = []
+    for _ in range(n):
+        length = rng.randint(0, 6)
+        state = []
+        for kind in kinds:
+            s_len = 1 if kind == "mamba" else rng.randint(0, 4)  # mamba: one slot to one slot
+            state.append(StateSpec(kind, rng.sample(range(STATE_PAGES), s_len), rng.sample(range(STATE_PAGES), s_len)))
+        requests.append(RequestSpec(
+            rng.sample(range(KV_PAGES), length), rng.sample(range(KV_PAGES), length),
+            aux_index=rng.randrange(8), dst_aux_index=rng.randrange(8), state=state, send_chunks=rng.randint(1, 3),
+        ))
+    return Scenario(
+        name=name,
+        requests=requests,
+        page_size=page_size,
+        kv=KVPoolSpec(num_pages=KV_PAGES, head_num=kv_heads[0], head_dim=kv_heads[1]),
+        state_pools=[StatePoolSpec(kind=k, num_pages=STATE_PAGES, num_layers=2, head_num=state_heads[0],
+                                   head_dim=state_heads[1]) for k in kinds],
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+    )
+
+
+HEADS, HEAD_DIM = 4, 8  # 4 heads: TP 1 -> 4 leaves one per decode rank
+SHORT = Timeouts(request_s=20, sglang_waiting_s=6, sglang_bootstrap_s=6)
+
+
+def one_request(name: str, p: int = 1, d: int = 1, kind=None, extra_layers: int = 0) -> Scenario:
+    """KV pages 1-3 -> 6-8, aux row 1 -> 3, and optionally state pages 2, 4 -> 5, 9 of ``kind``
+    (mamba: slot 2 -> 5); ``extra_layers``: decode's state pool has that many more layers."""
+    state = [StateSpec(kind, [2] if kind == "mamba" else [2, 4], [5] if kind == "mamba" else [5, 9])] if kind else []
+    pools = [StatePoolSpec(kind=kind, num_pages=12, num_layers=2, head_num=HEADS, head_dim=HEAD_DIM,
+                           decode_extra_layers=extra_layers)] if kind else []
+    return Scenario(
+        name=name,
+        requests=[RequestSpec([1, 2, 3], [6, 7, 8], aux_index=1, dst_aux_index=3, state=state)],
+        kv=KVPoolSpec(num_pages=10, head_num=HEADS, head_dim=HEAD_DIM),
+        state_pools=pools,
+        prefill_tp=p,
+        decode_tp=d,
+        timeouts=SHORT,
+    )
+
+
+def flip_cases(engine: str) -> dict:
+    """case -> (scenario builder, component, decode buffer flipped, decode page flipped, prefill
+    ranks the reason names), for every engine: KV buffer 1 (V of layer 0) page 7, the aux row's
+    decode page 3, a state page of each kind (buffer 1 is layer 1, paged kinds' page 9 and
+    mamba's slot 5; NSA buffer 0 page 5), and KV across TP sizes (2 -> 1: decode buffer 2, both
+    prefill ranks named; 1 -> 2: buffer 0 page 8 on each decode rank)."""
+    def case(label, *args, **kw):
+        return lambda: one_request(f"{engine} verify {label}", *args, **kw)
+
+    return {
+        "kv": (case("kv"), "kv", 1, 7, "[0]"),
+        "aux": (case("aux"), "aux", 0, 3, "[0]"),
+        "swa": (case("swa", kind="swa"), "state0", 1, 9, "[0]"),
+        "nsa": (case("nsa", kind="nsa"), "state0", 0, 5, "[0]"),
+        "dsv4": (case("dsv4", kind="dsv4"), "state0", 1, 9, "[0]"),
+        "mamba": (case("mamba", kind="mamba"), "state0", 1, 5, "[0]"),
+        "kv tp2->1": (case("kv tp2->1", 2, 1), "kv", 2, 6, "[0, 1]"),
+        "kv tp1->2": (case("kv tp1->2", 1, 2), "kv", 0, 8, "[0]"),
+    }
+
+
+def metric(text: str, sample: str) -> float:
+    """The value of ``sglang_disagg_ext_<sample>`` in one worker's metrics text (0 where never counted)."""
+    m = re.search(rf"sglang_disagg_ext_{re.escape(sample)} ([0-9.]+)", text)
+    return float(m.group(1)) if m else 0.0
+
+
+def assert_flip_unnoticed(result, buffer: int, page: int) -> None:
+    """Stock or unverified: Success on both sides, and the harness's own byte check finds
+    the one wrong byte in KV buffer ``buffer`` page ``page``."""
+    (req,) = result.requests
+    assert req.decode_status == "Success" and req.prefill_status == "Success", result.describe()
+    assert not req.bytes_verified, result.describe()
+    assert any(f"kv buffer {buffer} page {page}" in m for m in req.mismatches), req.mismatches
+
+
+def assert_flip_failed_by_digest(result, component: str, buffer: int, ranks: str, prefill_told: bool) -> None:
+    """Verified: Failed on every decode rank (each flipped its own copy of the page), each
+    reason naming component, decode buffer and prefill rank(s), one mismatch counted per
+    decode rank; prefill concluded Success before decode checked, and each prefill rank
+    counts one notice per decode rank where it can hear them (``prefill_told``), else none.
+    The notice reaches prefill after decode failed the room: the harness reads each
+    worker's metrics at its exit."""
+    (req,) = result.requests
+    assert (result.decode_manager or "").endswith("_V"), result.describe()
+    assert req.decode_status == "Failed" and req.prefill_status == "Success", result.describe()
+    decodes = [k for k in result.plugin_metrics if k.startswith("decode")]
+    want = f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) {ranks}"
+    assert (req.decode_failure_reason or "").count(want) == len(decodes), req.decode_failure_reason
+    for role, text in result.plugin_metrics.items():
+        if role.startswith("decode"):
+            assert metric(text, f'verify_mismatches_total{{component="{component}"}}') == 1.0, (role, text)
+        else:
+            told = metric(text, "verify_mismatch_reports_total")
+            assert told == (float(len(decodes)) if prefill_told else 0.0), (role, text)
+
+
+def counted_ok(result) -> list:
+    """``verified_transfers_total{result="ok"}`` of each decode rank, in rank order."""
+    return [metric(v, 'verified_transfers_total{result="ok"}') for k, v in sorted(result.plugin_metrics.items())
+            if k.startswith("decode")]
+
+
+FLIP_HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inflight_flip.py") + ":flip_one_landed_byte"
+
+
+def landed_flip_env(component: str, buffer: int, page: int, prefill_tp: int = 1) -> dict:
+    """The decode hook that flips one landed byte (``inflight_flip.flip_one_landed_byte``) of
+    decode ``component`` buffer ``buffer`` page ``page``, after all ``prefill_tp`` prefill
+    ranks reported Success."""
+    return {
+        "SGLANG_HARNESS_DECODE_MANAGER_HOOK": FLIP_HOOK,
+        "SGLANG_HARNESS_FLIP_COMPONENT": component,
+        "SGLANG_HARNESS_FLIP_BUFFER": str(buffer),
+        "SGLANG_HARNESS_FLIP_PAGE": str(page),
+        "SGLANG_HARNESS_FLIP_AFTER_SUCCESSES": str(prefill_tp),
+    }
