@@ -25,6 +25,7 @@ per request (prefill, decode), on two machines' CPUs in a real deployment.
 
     python -m bench.digest                       # 8K tokens, CPU
     python -m bench.digest --tokens 32768 --transfer-ms 17.9
+    python -m bench.digest --slices              # head slices: batched vs one call per slice
     python -m bench.digest --max-run 8           # pages in short ascending runs (gathered or not)
     python -m bench.digest --threads 2           # torch threads (the CPU digest is numpy, one thread)
 """
@@ -34,6 +35,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import numpy as np
 
 import torch
 
@@ -116,6 +119,41 @@ def _print_profile(fn, device, calls: int = 5):
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=40))
 
 
+def measure_slices(tokens: int, samples: int, heads: int = 2, head_bytes: int = 128):
+    """Heterogeneous TP 1 -> 2 as the digest sees it: for one KV buffer, the head-0 slice of
+    every token of a request's pages (``tokens`` slices of ``head_bytes``) from a prefill page of
+    ``heads`` heads into a decode page of one. Thread CPU time of ``span_digests`` (all at once)
+    and of one ``span_digest`` call per slice (timed over the first 1,000 and scaled)."""
+    from sglang_disagg_ext.backends.digest_kernels import span_digest, span_digests
+
+    page = shapes.PAGE_SIZE
+    pages = shapes.pages_for_tokens(tokens, page)
+    item, dst_item = page * heads * head_bytes, page * head_bytes
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.randint(0, 256, (2 * pages * item,), dtype=torch.uint8, generator=gen)
+    src_pages = torch.randperm(2 * pages, generator=gen)[:pages].numpy()
+    dst_pages = torch.randperm(2 * pages, generator=gen)[:pages].numpy()
+    slot = np.arange(page)
+    src = (src_pages[:, None] * item + slot * heads * head_bytes).reshape(-1)
+    dst = (dst_pages[:, None] * dst_item + slot * head_bytes).reshape(-1)
+    batched = span_digests(flat, src, dst, head_bytes, dst_item, 0, 0)[0]  # weights and tables warm
+    each, loop_n = [], min(1000, len(src))
+    times = []
+    for _ in range(samples):
+        t0 = time.thread_time()
+        span_digests(flat, src, dst, head_bytes, dst_item, 0, 0)
+        times.append(time.thread_time() - t0)
+    for _ in range(3):
+        t0 = time.thread_time()
+        total = 0
+        for s_off, d_off in zip(src[:loop_n].tolist(), dst[:loop_n].tolist()):
+            total += span_digest(flat[s_off:s_off + head_bytes], d_off, dst_item, 0, 0)[0]
+        each.append((time.thread_time() - t0) * len(src) / loop_n)
+    if loop_n == len(src):
+        assert total & dg.MASK == batched  # same value both ways
+    return len(src), len(src) * head_bytes, statistics.median(times), statistics.median(each)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -127,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-run", type=int, default=0,
                     help="source pages in ascending runs of 1..N pages (a busy pool as decode sees it); "
                          "default: random pages")
+    ap.add_argument("--slices", action="store_true",
+                    help="also time head slices (heterogeneous TP 1 -> 2: one slice per token) batched and one by one")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table of the digest calls")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -147,6 +187,10 @@ def main(argv=None) -> int:
         print(f"  digest_torch (torch kernels, no Triton): median {t * 1e3:.2f} ms; digest_torch / digest: {t / d:.2f}")
     if args.transfer_ms:
         print(f"  digest / transfer ({args.transfer_ms} ms): {d * 1e3 / args.transfer_ms:.2f} per side")
+    if args.slices:
+        n, nbytes, batched, each = measure_slices(args.tokens, args.samples)
+        print(f"  head slices (TP 1 -> 2, one KV buffer): {n} slices, {nbytes / 2**20:.2f} MiB: span_digests "
+              f"{batched * 1e3:.2f} ms, one span_digest per slice {each * 1e3:.0f} ms ({each / batched:.0f}x)")
     return 0
 
 

@@ -336,6 +336,76 @@ def span_digest(data: torch.Tensor, dst_offset: int, item_len: int, component: i
     return int((data.to(torch.int64) * w).sum().item()) & dg.MASK, page_list
 
 
+def _numpy_path(device: torch.device) -> bool:
+    """Whether span digests on ``device`` run in numpy (CPU) rather than torch (a unit test
+    runs the torch path on CPU by answering False)."""
+    return device.type == "cpu"
+
+
+_SPAN_CHUNK_UNITS = 1 << 17  # words (or bytes) gathered per step: 1 MiB of words, bounded temporaries
+
+
+def span_digests(flat: torch.Tensor, src_offsets, dst_offsets, length: int, item_len: int, component: int,
+                 buffer: int) -> Tuple[int, np.ndarray]:
+    """:func:`span_digest` of many spans at once: span ``k`` is ``length`` bytes of ``flat`` (a
+    flat uint8 buffer) from ``src_offsets[k]``, written at byte ``dst_offsets[k]`` of destination
+    buffer (component, buffer) whose items are ``item_len`` long. Every span lies inside one
+    destination item (:class:`ValueError` otherwise): a head slice of one token, the shape a
+    heterogeneous-TP transfer has by the hundred thousand per request, where one call per span
+    cost a Python round per slice. Returns (digest, destination pages touched, ascending).
+
+    Spans are grouped by their offset inside the item (a handful of distinct values: the token
+    slots of a page), each group gathered in bounded steps and weighed with the item's weights
+    from that offset on: 64-bit words where length, offsets and buffer are 8-byte aligned (head
+    slices are), single bytes with their byte weights otherwise. Runs on ``flat``'s device."""
+    src = np.asarray(src_offsets, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
+    if src.size == 0:
+        return 0, np.empty(0, dtype=np.int64)
+    pages = dst // item_len
+    within = dst - pages * item_len
+    if ((within + length) > item_len).any() or length <= 0:
+        raise ValueError(f"spans of {length} bytes must each lie inside one {item_len}-byte item")
+    if (src < 0).any() or int(src.max()) + length > flat.numel():
+        raise IndexError(f"span outside the {flat.numel()}-byte source buffer")
+    word = (length % dg.WORD_BYTES == 0 and not (src % dg.WORD_BYTES).any()
+            and not (within % dg.WORD_BYTES).any() and flat.data_ptr() % dg.WORD_BYTES == 0)
+    unit = dg.WORD_BYTES if word else 1
+    n_units = length // unit
+    usable = flat.numel() // unit * unit
+    cpu = _numpy_path(flat.device)
+    # The item's weights from the cache: per word (numpy uint64 on CPU, else int64) or per byte (int64).
+    weights = _weights(flat.device, -(-item_len // dg.WORD_BYTES) if word else item_len, word)
+    if cpu:
+        data = flat[:usable].numpy().view(np.uint64 if word else np.uint8)
+        if isinstance(weights, torch.Tensor):
+            weights = weights.cpu().numpy().view(np.uint64)
+    else:
+        data = flat[:usable].view(torch.int64) if word else flat[:usable]
+        if isinstance(weights, np.ndarray):
+            weights = torch.from_numpy(weights.view(np.int64))
+    per = np.empty(src.size, dtype=np.uint64)
+    order = np.argsort(within, kind="stable")
+    step = max(1, _SPAN_CHUNK_UNITS // n_units)
+    cols = np.arange(n_units, dtype=np.int64)
+    bounds = np.flatnonzero(np.diff(within[order])) + 1
+    for group in np.split(order, bounds):
+        o = int(within[group[0]]) // unit
+        for lo in range(0, group.size, step):
+            part = group[lo:lo + step]
+            idx = src[part][:, None] // unit + cols
+            if cpu:
+                vals = data[idx]
+                if not word:
+                    vals = vals.astype(np.uint64)
+                per[part] = np.einsum("ij,j->i", vals, weights[o:o + n_units])  # wraps mod 2**64
+            else:
+                vals = data[torch.from_numpy(idx).to(flat.device)].to(torch.int64)
+                per[part] = (vals * weights[o:o + n_units]).sum(dim=1).cpu().numpy().view(np.uint64)
+    total = int(np.dot(per, _slot_factors(pages)))  # uint64 dot wraps mod 2**64
+    return (total * dg.buffer_factor(component, buffer)) & dg.MASK, np.unique(pages)
+
+
 def run_index(starts, counts) -> np.ndarray:
     """Row numbers of runs ``starts[i] .. starts[i] + counts[i] - 1``, concatenated."""
     starts = np.asarray(starts, dtype=np.int64)

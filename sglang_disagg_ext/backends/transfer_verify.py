@@ -56,7 +56,7 @@ import torch
 from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
-from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest
+from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest, span_digests
 from sglang_disagg_ext.core import digest as dg
 
 logger = logging.getLogger("sglang_disagg_ext.verify")
@@ -358,12 +358,28 @@ class VerifiedTransferMixin:
             return
         s_off, d_off = src_addr - s_start[si], dst_addr - d_start[di]
         whole = (s_item[si] == n) & (s_off % n == 0) & (d_off % n == 0) & (length % n == 0)
-        for k in np.flatnonzero(~whole):  # head slices, partial items: byte-granular
+        # Head slices (parts of items): those inside one destination item in batches per
+        # (source, destination, length), a heterogeneous-TP request has one per token per
+        # layer; a span across an item boundary (rare) on its own.
+        part = np.flatnonzero(~whole)
+        inside = (d_off[part] % n[part]) + length[part] <= n[part]
+        for k in part[~inside]:
             src, dst = src_table[si[k]], dst_table[di[k]]
             lo = int(s_off[k])
             value, pages = span_digest(src.flat()[lo:lo + int(length[k])], int(d_off[k]), dst.item_len,
                                        dst.component, dst.index)
             partial.add(dst.component, dst.index, value, pages)
+        part = part[inside]
+        if part.size:
+            key = np.stack((si[part], di[part], length[part]))
+            order = np.lexsort(key[::-1])
+            part, key = part[order], key[:, order]
+            cuts = np.flatnonzero(np.any(np.diff(key, axis=1) != 0, axis=0)) + 1
+            for group in np.split(part, cuts):
+                src, dst = src_table[si[group[0]]], dst_table[di[group[0]]]
+                value, pages = span_digests(src.flat(), s_off[group], d_off[group], int(length[group[0]]),
+                                            dst.item_len, dst.component, dst.index)
+                partial.add(dst.component, dst.index, value, pages)
         if not whole.any():
             return
         w = np.flatnonzero(whole)

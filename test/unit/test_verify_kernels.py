@@ -27,6 +27,7 @@ from sglang_disagg_ext.backends.digest_kernels import (  # noqa: E402
     rows_digest,
     rows_digests,
     span_digest,
+    span_digests,
 )
 from sglang_disagg_ext.core import digest as dg  # noqa: E402
 
@@ -220,6 +221,36 @@ def test_spans_compose_into_whole_items(item_len):
             value, _ = span_digest(flat[lo:hi], base_off + lo, item_len, 0, 1)
             total += value
         assert total & dg.MASK == whole, cuts
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device", DEVICES + ["cpu-torch"])
+@pytest.mark.parametrize("length, item_len, aligned", [(16, 64, True), (8, 24, True), (6, 40, False), (16, 64, False)])
+def test_span_digests_equal_the_sum_of_single_spans(device, length, item_len, aligned, monkeypatch):
+    # Head slices as a heterogeneous-TP transfer makes them: many spans of one length, each
+    # inside one destination item, from scattered source offsets to scattered destination
+    # pages and token slots. The batched call equals the sum of one span_digest per span
+    # (itself checked byte by byte above), on the word path (aligned) and the byte path;
+    # "cpu-torch": the torch path a GPU takes, run on CPU.
+    if device == "cpu-torch":
+        monkeypatch.setattr(digest_kernels, "_numpy_path", lambda dev: False)
+        device = "cpu"
+    gen = torch.Generator().manual_seed(length * 131 + item_len)
+    flat = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    rng = np.random.default_rng(length + item_len)
+    n = 200
+    unit = 8 if aligned else 1
+    slots = (item_len - length) // unit + 1
+    src = rng.integers(0, (4096 - length) // unit, n) * unit + (0 if aligned else 1) * (rng.integers(0, 2, n))
+    dst = rng.integers(0, 50, n) * item_len + rng.integers(0, slots, n) * unit
+    value, pages = span_digests(flat.to(device), src, dst, length, item_len, 2, 3)
+    expected = 0
+    for s_off, d_off in zip(src.tolist(), dst.tolist()):
+        expected += span_digest(flat[s_off:s_off + length], d_off, item_len, 2, 3)[0]
+    assert value == expected & dg.MASK
+    assert pages.tolist() == sorted(set((dst // item_len).tolist()))
+    with pytest.raises(ValueError):  # a span across an item boundary is the caller's to split
+        span_digests(flat, [0], [item_len - 1], length, item_len, 2, 3)
 
 
 @pytest.mark.timeout(10)
