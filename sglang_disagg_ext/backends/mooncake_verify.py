@@ -1,23 +1,79 @@
 """Verified transfers for ``mooncake-ext`` (issue 16): where Mooncake's writes meet the digest.
 
-Every engine write of SGLang's Mooncake manager (KV, paged state, Mamba slots,
-the aux row) goes through ``_transfer_data(session, blocks)`` with
-``(src, dst, length)`` blocks for one decode session: the digest is taken there,
-before the engine reads the source. The rest (placement, partials, the status
-frame, decode's check) is :mod:`.transfer_verify`'s.
+Most engine writes of SGLang's Mooncake manager (KV, paged state, Mamba slots, the
+aux row) go through ``_transfer_data(session, blocks)`` with ``(src, dst, length)``
+blocks for one decode session: the digest is taken there, before the engine reads
+the source. Some call the engine themselves: 0.5.23's heterogeneous-TP
+``send_kvcache_slice`` hands every head slice straight to
+``engine.batch_transfer_sync``. So the manager's ``engine`` is also wrapped
+(:class:`RecordingMooncakeEngine`, through the property SGLang's constructor assigns):
+a ``batch_transfer_sync`` / ``transfer_sync`` that does not come from
+``_transfer_data`` on this thread reports its blocks the same way, before the
+engine runs. The rest (placement, partials, the status frame, decode's check) is
+:mod:`.transfer_verify`'s.
 
-Writes that bypass ``_transfer_data`` are not covered: 0.5.23's
-heterogeneous-TP ``send_kvcache_slice`` (it calls the engine itself), staging,
-the TCP aux path. Their pages are simply not listed, so decode does not check them.
+Not covered: staging (the destination is decode's staging buffer, not a registered
+pool: the room goes unverified) and the TCP aux path (not an engine write: the aux
+page is not listed, so decode does not check it).
 """
 
 from __future__ import annotations
 
-from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger
+import threading
+
+import numpy as np
+
+from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
+
+
+class RecordingMooncakeEngine:
+    """SGLang's Mooncake transfer engine, whose writes that ``_transfer_data`` did not digest are
+    reported to ``on_write(session, blocks)`` (``N x 3`` int64) before they run. Every other
+    attribute is the engine's own; results are the engine's."""
+
+    _verify_wrapped = True
+
+    def __init__(self, engine, on_write, inside: threading.local):
+        self._engine = engine
+        self._on_write = on_write
+        self._inside = inside  # .depth > 0: this thread is inside _transfer_data (already digested)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_transfer_sync(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs):
+        if not getattr(self._inside, "depth", 0):
+            self._on_write(session_id, np.column_stack((
+                np.asarray(buffers, dtype=np.int64).reshape(-1),
+                np.asarray(peer_buffer_addresses, dtype=np.int64).reshape(-1),
+                np.asarray(lengths, dtype=np.int64).reshape(-1))))
+        return self._engine.batch_transfer_sync(session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+
+    def transfer_sync(self, session_id, buffer, peer_buffer_address, length, *args, **kwargs):
+        if not getattr(self._inside, "depth", 0):
+            self._on_write(session_id, np.array([[buffer, peer_buffer_address, length]], dtype=np.int64))
+        return self._engine.transfer_sync(session_id, buffer, peer_buffer_address, length, *args, **kwargs)
 
 
 class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
-    """Mooncake's entry: the blocks of each ``_transfer_data`` call."""
+    """Mooncake's entry: the blocks of each ``_transfer_data`` call, and of any engine write
+    that bypasses it."""
+
+    engine = recorded_attribute(
+        "_verify_mooncake_engine",
+        lambda self, engine: RecordingMooncakeEngine(engine, self._verify_engine_write, self._verify_inside),
+        """The manager's Mooncake transfer engine; with verification on, wrapped in
+        :class:`RecordingMooncakeEngine`.
+
+        Contract: SGLang's constructor assigns ``self.engine`` once (both sides) and every
+        thread uses it afterwards; the wrapper changes no argument or result.""")
+
+    @property
+    def _verify_inside(self) -> threading.local:
+        inside = self.__dict__.get("_verify_inside_tls")
+        if inside is None:
+            inside = self.__dict__["_verify_inside_tls"] = threading.local()
+        return inside
 
     def _transfer_data(self, mooncake_session_id, transfer_blocks):
         """Stock ``_transfer_data``, after adding the blocks' digest to the room's partial.
@@ -29,10 +85,26 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
         engine reads would no longer pin the bytes prefill meant to send). Must never
         raise on the digest's account.
         """
-        if self._verify_on and transfer_blocks:
-            try:
-                self._verify_add_blocks(mooncake_session_id, transfer_blocks)
-            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-                logger.exception("verified transfers: digest of a transfer failed; the room goes unverified")
-                self._verify_mark_unplaced(mooncake_session_id, "digest raised")
-        return super()._transfer_data(mooncake_session_id, transfer_blocks)
+        if not (self._verify_on and transfer_blocks):
+            return super()._transfer_data(mooncake_session_id, transfer_blocks)
+        try:
+            self._verify_add_blocks(mooncake_session_id, transfer_blocks)
+        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+            logger.exception("verified transfers: digest of a transfer failed; the room goes unverified")
+            self._verify_mark_unplaced(mooncake_session_id, "digest raised")
+        inside = self._verify_inside
+        inside.depth = getattr(inside, "depth", 0) + 1  # its engine call is digested already
+        try:
+            return super()._transfer_data(mooncake_session_id, transfer_blocks)
+        finally:
+            inside.depth -= 1
+
+    def _verify_engine_write(self, session, blocks) -> None:
+        """An engine write outside ``_transfer_data`` (prefill transfer threads). Must never raise."""
+        if self.disaggregation_mode.name != "PREFILL" or not blocks.shape[0]:
+            return
+        try:
+            self._verify_add_blocks(str(session), blocks)
+        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+            logger.exception("verified transfers: digest of a Mooncake engine write failed; the room goes unverified")
+            self._verify_mark_unplaced(str(session), "digest raised")

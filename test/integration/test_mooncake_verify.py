@@ -13,6 +13,10 @@ every destination byte itself, independently of the digest.
 * No false alarm: many random valid transfers with verification on, all
   Success, every byte checked by the harness, every one counted as verified.
 
+Across TP sizes (2 -> 1, 1 -> 2) the fault is a landed byte instead
+(``inflight_flip.flip_one_landed_byte``): there 0.5.23 hands head slices straight
+to the engine, where the in-flight hook would flip before the digest reads.
+
 Verification needs SGLang's common status codec (0.5.20+); on older releases
 the verified cases are skipped (``verification.available``). Where Mooncake's
 prefill bootstrap loop takes decode's notices (0.5.22+), decode's mismatch
@@ -31,7 +35,15 @@ import pytest
 from sglang_disagg_ext import releases, verification
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import Timeouts, kv_only, with_state
-from support.verify_cases import random_scenario
+from support.verify_cases import (
+    HEAD_DIM,
+    HEADS,
+    assert_flip_failed_by_digest,
+    counted_ok,
+    flip_cases,
+    landed_flip_env,
+    random_scenario,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -138,3 +150,36 @@ def test_no_false_alarm_over_random_transfers(page_size):
     assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
     assert f'sglang_disagg_ext_verified_transfers_total{{result="ok"}} {float(n)}' in result.plugin_metrics["decode"], \
         result.plugin_metrics["decode"]
+
+
+# Across TP sizes 0.5.23's send_kvcache_slice hands head slices straight to the engine (the
+# wrapped engine digests them). The landed flip (decode hook, after every prefill rank's
+# Success) stands in for the in-flight one there: that hook flips during the engine call,
+# after which the wrapper's digest would read the flipped byte.
+ACROSS_TP = {k: v for k, v in flip_cases("mooncake").items() if "tp" in k}
+
+
+@needs_verify
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(ACROSS_TP))
+def test_landed_flip_across_tp_sizes_fails_the_room(case):
+    build, component, buffer, page, ranks = ACROSS_TP[case]
+    scn = build()
+    result = run_scenario(scn, "mooncake-ext", extra_env={**VERIFY, **landed_flip_env(component, buffer, page,
+                                                                                       scn.prefill_tp)})
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=PREFILL_HEARS)
+
+
+@needs_verify
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2)])
+def test_no_false_alarm_across_tp_sizes(p, d):
+    """Random KV transfers (page maps, lengths, chunking, aux rows) from prefill TP ``p`` to
+    decode TP ``d``: every request Success, byte-checked per rank, counted on every decode rank."""
+    n = max(8, int(os.environ.get("SGLANG_DISAGG_EXT_RANDOM_TRANSFERS", "150")) // 4)
+    scenario = random_scenario(random.Random(40 + 3 * p + d), n, 1, (), f"verify: {n} random transfers tp{p}->tp{d}",
+                               kv_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d)
+    result = run_scenario(scenario, "mooncake-ext", extra_env=VERIFY, timeout_s=max(240, n * 0.8))
+    assert result.ok, result.describe()
+    assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
+    assert counted_ok(result) == [float(n)] * d, result.plugin_metrics
