@@ -470,12 +470,18 @@ class VerifiedTransferMixin:
         return parts
 
     def _verify_reply_frame(self) -> Optional[bytes]:
-        if not releases.stock_bootstrap_reads_notices(type(self)):
-            return None
-        host, port = getattr(self, "local_ip", None), getattr(self, "rank_port", None)
-        if not host or not port:
-            return None
-        return REPLY_MAGIC + f"{host}|{int(port)}".encode("utf-8")
+        """Prefill's reply-address frame, built once per manager (it is sent with every
+        verified Success; the class and the bound address do not change)."""
+        cached = self.__dict__.get("_verify_reply")
+        if cached is not None:
+            return cached or None
+        frame = b""
+        if releases.stock_bootstrap_reads_notices(type(self)):
+            host, port = getattr(self, "local_ip", None), getattr(self, "rank_port", None)
+            if host and port:
+                frame = REPLY_MAGIC + f"{host}|{int(port)}".encode("utf-8")
+        self.__dict__["_verify_reply"] = frame
+        return frame or None
 
     # -- decode: compare before Success ----------------------------------------
     def parse_kv_status_message(self, msg):
