@@ -35,6 +35,8 @@ Names (all prefixed ``sglang_disagg_ext_``):
   (``kv``, ``aux``, ``stateN``; ``frame``: a digest frame that could not be checked).
 * ``verify_mismatch_reports_total``: on prefill, rooms it had concluded Success that a
   decode then failed on a digest mismatch and reported back.
+* ``verify_mismatch_notices_sent_total``: on decode, those reports sent, by ``prefill``
+  (the prefill rank's bootstrap address ``host:port``: which prefill sent bytes that did not land).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Verified rooms ended Failed on a digest mismatch (issue 16)", ("component",)),
     "verify_mismatch_reports_total": (
         "counter", "Rooms this prefill sent that a decode reported as failing verification (issue 16)", ()),
+    "verify_mismatch_notices_sent_total": (
+        "counter", "Mismatch notices this decode sent, by prefill rank address (issue 16)", ("prefill",)),
 }
 
 _mu = threading.Lock()

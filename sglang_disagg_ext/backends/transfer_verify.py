@@ -546,6 +546,8 @@ class VerifiedTransferMixin:
                 self._send_multipart_locked(endpoint, parts, is_ipv6=ipv6)
             except Exception:  # noqa: BLE001 - the room is Failed on decode whatever prefill hears
                 logger.exception("room %s: could not tell prefill %s of the mismatch", room, endpoint)
+            else:
+                metrics.count("verify_mismatch_notices_sent_total", prefill=f"{host}:{port}")
 
     # -- prefill: decode's mismatch notice ----------------------------------------
     def _handle_abort_notification(self, msg) -> bool:

@@ -80,3 +80,19 @@ def test_worker_leaves_after_its_bound_when_a_rank_never_finishes(tmp_path, work
     proc.wait(timeout=NO_SCENARIO_BOUND_S + 10)
     assert time.monotonic() - marked >= NO_SCENARIO_BOUND_S - 1.0
     assert not other.exists()
+
+
+@pytest.mark.timeout(30)
+def test_done_file_carries_the_counts_other_ranks_wait_for(tmp_path):
+    """A decode rank's done file holds the mismatch notices it sent per prefill address
+    (prefill waits until it has counted them); a done file without counts reads as none."""
+    from sglang_disagg_ext.selftest.harness import worker as w
+
+    done = tmp_path / "decode.done"
+    w._touch(str(done), {"127.0.0.1:5000": 2.0})
+    assert w._done_file_counts(str(done)) == {"127.0.0.1:5000": 2.0}
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, renamed into place
+    plain = tmp_path / "old.done"
+    plain.write_text("1234")
+    assert w._done_file_counts(str(plain)) == {}
+    assert w._done_file_counts(str(tmp_path / "missing.done")) == {}

@@ -883,7 +883,7 @@ class Worker:
             self.result["done"] = True
             self.result["timings"]["total"] = round(_now(), 3)
             self.write_result()
-        _touch(self.args.done_file)
+        _touch(self.args.done_file, _counter_samples("verify_mismatch_notices_sent_total", "prefill"))
         # Every rank stays up until every rank is done. Prefill keeps the
         # bootstrap server and its status sync up for decode. Decode keeps its
         # engine up for writes still in flight from slower prefill ranks: stock
@@ -898,10 +898,31 @@ class Worker:
             time.sleep(0.05)
         # Once more, for counters that move after this rank's own requests ended: a decode's
         # verification-mismatch notice reaches prefill after prefill concluded the room.
+        if self.role == "prefill":
+            self._await_mismatch_notices(done_files, time.monotonic() + 10.0)
         self.write_result()
         sys.stdout.flush()
         sys.stderr.flush()
         return 0
+
+
+    def _await_mismatch_notices(self, done_files, deadline: float) -> None:
+        """Until this prefill rank's bootstrap thread has counted every mismatch notice the
+        decode ranks say (in their done files) they sent to its address, or ``deadline``.
+
+        A decode sends its notice before it marks itself done, but the notice travels on
+        its own socket and is counted by prefill's bootstrap thread whenever it gets there:
+        without this wait the result could be written first (seen once in CI, under load).
+        """
+        mgr = getattr(self, "mgr", None)
+        host, port = getattr(mgr, "local_ip", None), getattr(mgr, "rank_port", None)
+        if not host or not port:
+            return
+        expected = sum(_done_file_counts(f).get(f"{host}:{port}", 0.0) for f in done_files)
+        while expected and time.monotonic() < deadline:
+            if sum(_counter_samples("verify_mismatch_reports_total").values()) >= expected:
+                return
+            time.sleep(0.05)
 
 
 class _Pool:
@@ -1008,10 +1029,42 @@ def _check_cuda(torch, device: str) -> None:
         raise RuntimeError(f"--device {device}: this process sees {count} GPU(s) (indices 0..{count - 1})")
 
 
-def _touch(path: Optional[str]) -> None:
+def _touch(path: Optional[str], counts: Optional[Dict[str, float]] = None) -> None:
+    """Mark this rank done: ``{"pid": ..., "counts": {label: value}}``, written whole
+    (renamed into place) because other ranks read it the moment it exists."""
     if path:
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "counts": counts or {}}, f)
+        os.replace(tmp, path)
+
+
+def _done_file_counts(path: str) -> Dict[str, float]:
+    """The counts a rank wrote into its done file ({} for one that holds none)."""
+    try:
+        with open(path) as f:
+            counts = json.load(f).get("counts", {})
+        return {str(k): float(v) for k, v in counts.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _counter_samples(name: str, label: Optional[str] = None) -> Dict[str, float]:
+    """This process's values of plugin counter ``name`` (metrics.py), keyed by ``label``'s
+    value ("" without a label); {} when the plugin made no metrics here."""
+    if "sglang_disagg_ext.metrics" not in sys.modules:
+        return {}
+    from prometheus_client import REGISTRY
+
+    from sglang_disagg_ext.metrics import PREFIX
+
+    values: Dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == PREFIX + name:
+                key = sample.labels.get(label, "") if label else ""
+                values[key] = values.get(key, 0.0) + sample.value
+    return values
 
 
 def _print_engine_thread_stacks(why: str) -> None:
