@@ -27,10 +27,12 @@ def enabled() -> bool:
 def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     """Per ``-ext`` backend: ``""`` where verification works on this release, else why not.
 
-    Both need the plugin's classes (the backend routes) and SGLang's common
-    status codec, which reads the status frames by position and ignores a
-    trailing one (the digest travels there); older Mooncake decode loops unpack
-    exactly three frames, so an extra one would end their thread. NIXL also needs
+    Both need the plugin's classes (the backend routes) and a way for the digest
+    to travel with prefill's Success: SGLang's common status codec (0.5.20+), which
+    reads the status frames by position and ignores a trailing one; or, on Mooncake up to
+    0.5.19, whose decode loop unpacks exactly three frames, the fourth frame the
+    ``-ext`` peers already exchange (F6/F9's pool-sizes registration frame says which
+    decode takes it; ``mooncake_peers``). NIXL also needs
     its decode to learn Success from that message alone (0.5.23: up to 0.5.22 it
     concludes Success from NIXL notifications too).
     """
@@ -41,8 +43,12 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     for ext, base in releases.EXT_BACKENDS.items():
         if not policy.routes(base):
             out[ext] = f"{ext} passes through to stock on SGLang {policy.version}"
-        elif base == "mooncake" and not releases.features().kv_status_codec:
-            out[ext] = f"SGLang {policy.version} has no common status codec (parse_kv_status_message, 0.5.20+)"
+        elif base == "mooncake" and not releases.features().kv_status_codec and not (
+                policy.is_live("F6") or policy.is_live("F9")):
+            # Up to 0.5.19 the digest rides on the fourth status frame that F6/F9's peer
+            # exchange (mooncake_peers) sends to an -ext decode; without it, nowhere.
+            out[ext] = (f"SGLang {policy.version} has no common status codec (parse_kv_status_message, "
+                        "0.5.20+) and these sources carry F6 and F9, whose peer exchange would carry the digest")
         elif base == "mori" and (policy.is_live("F3") or not releases.features().mori_status_codec):
             out[ext] = (f"MoRI on SGLang {policy.version} does not conclude rooms through SGLang's common "
                         "status codec (0.5.20+; F3's own wire format on 0.5.12.x)")

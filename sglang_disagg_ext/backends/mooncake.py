@@ -278,13 +278,12 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
     # Issue 16 (opt-in): outermost, so its digest sees every engine write the
     # fixes let through, and its decode check runs before any Success.
     if verification.enabled():
-        if releases.features().kv_status_codec:
+        why = verification.available(policy)["mooncake-ext"]
+        if not why:
             mixins = (MooncakeVerifiedTransferMixin,) + mixins
             fixes = "V" + fixes
         else:
-            logger.warning("%s=1: verified transfers need SGLang's common status codec (0.5.20+); "
-                           "not available on SGLang %s, transfers are not verified", verification.VERIFY_ENV,
-                           policy.version)
+            logger.warning("%s=1: %s; mooncake-ext transfers are not verified", verification.VERIFY_ENV, why)
     if policy.is_live("F1") or policy.is_live("F2"):
         state_class = MooncakeExtKVManagerFlat if policy.layout is StateLayout.FLAT else MooncakeExtKVManagerPerComponent
     elif mixins or policy.routes("mooncake"):

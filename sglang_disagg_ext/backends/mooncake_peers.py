@@ -25,7 +25,9 @@ exactly three frames (room, status, rank; 0.5.11 mooncake/conn.py:1474) and
 die on a fourth, so there prefill adds the reason only for a decode that
 published pool sizes (this plugin's decode, which takes the frame off before
 stock reads the message and records the reason in place of stock's "it might
-be dead"); a stock decode gets stock's three frames.
+be dead"); a stock decode gets stock's three frames. The same fourth frame
+carries a verified prefill's digest with a Success (issue 16,
+:mod:`.mooncake_verify`), only to a decode whose frame says it reads digests.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ REGISTRATION = b"None"
 # Fourth frame of a Failed status message to an -ext decode (releases whose decode
 # unpacks exactly three frames): this prefix, then prefill's reason (UTF-8).
 REASON_PREFIX = b"sglang-disagg-ext:reason:"
+# Fourth frame of a Success status message to an -ext decode that reads digests
+# (same releases): this prefix, then core.digest's frame.
+DIGEST_PREFIX = b"sglang-disagg-ext:digest:"
 
 
 def state_kinds_of(kv_args) -> list:
@@ -100,6 +105,7 @@ class PeerPoolsMixin:
         # published pool sizes (so it reads a reason frame). Decode: room -> the
         # reason prefill sent with its Failed status, until stock records it.
         self._reason_endpoints = set()
+        self._digest_endpoints = set()  # of those, the ones that read a digest frame (issue 16)
         self._peer_reasons = {}
         super().__init__(*args, **kwargs)
 
@@ -114,7 +120,7 @@ class PeerPoolsMixin:
         (a stock prefill parses them by position and ignores what follows).
         """
         frames = list(super().build_receiver_registration_message())
-        frame = pool_bounds_frame(self.kv_args, logger)
+        frame = pool_bounds_frame(self.kv_args, logger, reads_digests=bool(getattr(self, "_verify_on", False)))
         return frames if frame is None else frames + [frame]
 
     # -- prefill: read them -----------------------------------------------------
@@ -180,11 +186,17 @@ class PeerPoolsMixin:
             endpoint = (bytes(msg[1]).decode("ascii"), int(bytes(msg[2]).decode("ascii")))
         except (UnicodeDecodeError, ValueError):
             return  # stock's own parse of this message reports it
-        # A decode that publishes pool sizes is this plugin's: it takes a reason frame.
-        if session in self._peer_bounds:
+        # A decode that publishes pool sizes is this plugin's: it takes a reason frame
+        # (and a digest frame where it says it verifies).
+        bounds = self._peer_bounds.get(session)
+        if bounds is not None:
             self._reason_endpoints.add(endpoint)
         else:
             self._reason_endpoints.discard(endpoint)
+        if bounds is not None and bounds.reads_digests:
+            self._digest_endpoints.add(endpoint)
+        else:
+            self._digest_endpoints.discard(endpoint)
 
     # -- failure reasons to decode (releases without 0.5.22's status codec) ----
     def sync_status_to_decode_endpoint(self, remote, dst_port, room, status, prefill_rank):
@@ -225,15 +237,28 @@ class PeerPoolsMixin:
         never raise into that thread. 0.5.20+ parse the reason themselves.
         """
         if not releases.features().kv_status_codec:
-            self.server_socket = FilteringSocket(self.server_socket, self._take_reason_frame, logger)
+            self.server_socket = FilteringSocket(self.server_socket, self._take_status_frame, logger)
         return super().start_decode_thread()
 
-    def _take_reason_frame(self, msg):
-        if len(msg) != 4 or not bytes(msg[3]).startswith(REASON_PREFIX):
+    def _take_status_frame(self, msg):
+        """A status message's fourth frame from an ``-ext`` prefill (reason or digest), taken
+        off; None for any other message (handed on unchanged)."""
+        if len(msg) != 4:
             return None
-        room = int(bytes(msg[0]).decode("ascii"))
-        self._peer_reasons[room] = bytes(msg[3])[len(REASON_PREFIX):].decode("utf-8", "replace")
-        return msg[:3]
+        extra = bytes(msg[3])
+        if extra.startswith(REASON_PREFIX):
+            room = int(bytes(msg[0]).decode("ascii"))
+            self._peer_reasons[room] = extra[len(REASON_PREFIX):].decode("utf-8", "replace")
+            return msg[:3]
+        if extra.startswith(DIGEST_PREFIX):
+            self._keep_digest_frame(int(bytes(msg[0]).decode("ascii")), int(bytes(msg[2]).decode("ascii")),
+                                    extra[len(DIGEST_PREFIX):])
+            return msg[:3]
+        return None
+
+    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
+        """A prefill rank's digest for ``room`` (decode's status thread); the verified-transfer
+        mixin keeps it. Here (not verifying: this decode never asked for one) it is dropped."""
 
     def record_failure(self, bootstrap_room, failure_reason):
         """Stock ``record_failure``; on decode, prefill's own reason where it sent one.
@@ -262,7 +287,8 @@ class MooncakeExtKVReceiver(MooncakeKVReceiver):
         position (``KVArgsRegisterInfo.from_zmq``, up to its staging fields) and
         never reads the trailing one.
         """
-        frame = pool_bounds_frame(self.kv_mgr.kv_args, logger)
+        frame = pool_bounds_frame(self.kv_mgr.kv_args, logger,
+                                  reads_digests=bool(getattr(self.kv_mgr, "_verify_on", False)))
         if frame is None:
             return super()._register_kv_args()
         return register_appending(self, frame, _is_registration, super()._register_kv_args)

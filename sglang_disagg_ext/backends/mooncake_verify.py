@@ -12,6 +12,14 @@ a ``batch_transfer_sync`` / ``transfer_sync`` that does not come from
 engine runs. The rest (placement, partials, the status frame, decode's check) is
 :mod:`.transfer_verify`'s.
 
+Up to 0.5.19 (no common status codec) the decode's status loop unpacks exactly three
+frames. There the digest rides as the fourth frame that :mod:`.mooncake_peers` already
+uses for failure reasons (``DIGEST_PREFIX``), sent only to a decode whose registration
+said it reads digests (an ``-ext`` decode with verification on: it takes the frame off
+before stock reads the message); any other decode gets stock's three frames and the
+room goes unverified there. Prefill is not told of a mismatch on those releases (its
+bootstrap loop takes no notices).
+
 Not covered: staging (the destination is decode's staging buffer, not a registered
 pool: the room goes unverified) and the TCP aux path (not an engine write: the aux
 page is not listed, so decode does not check it).
@@ -23,7 +31,9 @@ import threading
 
 import numpy as np
 
-from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.backends.mooncake_peers import DIGEST_PREFIX
+from sglang_disagg_ext.backends.transfer_verify import _SUCCESS, VerifiedTransferMixin, logger, recorded_attribute
 
 
 class RecordingMooncakeEngine:
@@ -108,3 +118,44 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
         except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
             logger.exception("verified transfers: digest of a Mooncake engine write failed; the room goes unverified")
             self._verify_mark_unplaced(str(session), "digest raised")
+
+    # -- releases without the common status codec (up to 0.5.19) ----------------
+    def sync_status_to_decode_endpoint(self, remote, dst_port, room, status, prefill_rank):
+        """Stock's status message; a Success to a decode that reads digests also carries this
+        endpoint's digest as a fourth frame.
+
+        Contract: prefill only, up to 0.5.19 (0.5.20+ send statuses through
+        ``send_kv_status_message``); the transfer worker calls it once per decode endpoint of
+        a concluded room, while ``transfer_infos[room]`` still names the sessions behind each
+        endpoint (and the scheduler thread for refusals). The room's partials for this
+        endpoint's sessions are taken whatever the status. Stock's three frames are unchanged;
+        a decode that did not say it reads digests gets exactly those. Must not raise more
+        than stock does.
+        """
+        if (not self._verify_on or releases.features().kv_status_codec
+                or self.disaggregation_mode.name != "PREFILL"):
+            return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
+        target = (remote, int(dst_port))
+        infos = dict(self.transfer_infos.get(room, {}) or {})
+        sessions = {s for s, info in infos.items() if (info.endpoint, int(info.dst_port)) == target}
+        with self._verify_lock:
+            partials = {k[1]: self._verify_partials.pop(k) for k in list(self._verify_partials)
+                        if k[0] == room and k[1] in sessions}
+        frame = None
+        if int(status) == _SUCCESS and target in getattr(self, "_digest_endpoints", ()):
+            frame = self._verify_frame(room, target, infos, partials)
+        if frame is None:
+            return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
+        from sglang.srt.utils.network import NetworkAddress
+
+        na = NetworkAddress(remote, dst_port)
+        self._connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
+            [str(room).encode("ascii"), str(int(status)).encode("ascii"), str(prefill_rank).encode("ascii"),
+             DIGEST_PREFIX + frame])
+
+    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
+        """Contract: decode's status thread (through :mod:`.mooncake_peers`' socket filter, up
+        to 0.5.19) hands each Success's digest frame here before stock reads the message;
+        :meth:`update_status` checks it when stock concludes the room. Must not raise."""
+        if self._verify_on:
+            self._verify_keep_frame(room, prefill_rank, frame)

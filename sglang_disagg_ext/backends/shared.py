@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional, Tuple
 
@@ -72,10 +73,12 @@ def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: 
         return True, None
 
 
-def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True) -> Optional[bytes]:
+def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True,
+                      reads_digests: bool = False) -> Optional[bytes]:
     """Decode's KV and aux pool sizes (and, with ``state``, its state pools') as one
     trailing registration frame; None (and one error line on ``logger``) if they cannot
     be read: the registration still goes out, the peer then runs unchecked.
+    ``reads_digests``: this decode verifies transfers (``PoolBounds.reads_digests``).
 
     Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
     buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
@@ -91,7 +94,7 @@ def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True) -> Op
     except (IndexBoundsError, AttributeError, TypeError) as exc:
         logger.error("not publishing pool sizes to prefill: %s", exc)
         return None
-    return encode_frame(bounds)
+    return encode_frame(dataclasses.replace(bounds, reads_digests=True) if reads_digests else bounds)
 
 
 def note_peer_bounds(table: dict, unchecked: set, peer: str, msg, logger: logging.Logger, what: str,

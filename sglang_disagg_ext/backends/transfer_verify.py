@@ -499,14 +499,20 @@ class VerifiedTransferMixin:
             for frame in msg[4:]:
                 frame = bytes(frame)
                 if frame.startswith(dg.FRAME_MAGIC):
-                    with self._verify_lock:
-                        self._verify_frames.setdefault(room, {})[prefill_rank] = frame
+                    self._verify_keep_frame(room, prefill_rank, frame)
                 elif frame.startswith(REPLY_MAGIC):
                     host, _, port = frame[len(REPLY_MAGIC):].decode("utf-8", "replace").rpartition("|")
                     if host and port.isdigit():
                         with self._verify_lock:
                             self._verify_replies.setdefault(room, {})[prefill_rank] = (host, int(port))
         return parsed
+
+    def _verify_keep_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
+        """Decode's status thread: ``prefill_rank``'s digest frame for ``room``, until
+        :meth:`update_status` checks the room (or drops it on Failed)."""
+        if frame.startswith(dg.FRAME_MAGIC):
+            with self._verify_lock:
+                self._verify_frames.setdefault(room, {})[prefill_rank] = frame
 
     def update_status(self, bootstrap_room, status):
         """Stock ``update_status``; on decode a Success is verified first.

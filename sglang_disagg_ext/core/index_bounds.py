@@ -45,6 +45,11 @@ class PoolBounds:
     # Bytes per row of each metadata buffer, in registration order (F9 compares
     # them with prefill's); None: not published (a decode older than F9).
     aux_item_lens: Optional[tuple] = None
+    # The decode verifies transfers (issue 16) and, where its status loop takes only
+    # stock's three frames (Mooncake up to 0.5.19), reads a digest frame an -ext
+    # prefill appends to a Success. Not a bound: the frame is all an -ext decode
+    # tells prefill about itself.
+    reads_digests: bool = False
 
 
 def entries(data_lens: Sequence[int], item_lens: Sequence[int], label: str) -> Optional[int]:
@@ -100,6 +105,8 @@ def encode_frame(bounds: PoolBounds) -> bytes:
     data = {"kv": bounds.kv, "aux": bounds.aux, "state": list(bounds.state)}
     if bounds.aux_item_lens is not None:  # absent, not null: a frame without it reads as before
         data["aux_item_lens"] = list(bounds.aux_item_lens)
+    if bounds.reads_digests:  # absent unless set: older -ext prefills read the frame as before
+        data["digests"] = True
     return FRAME_PREFIX + json.dumps(data).encode()
 
 
@@ -134,6 +141,7 @@ def decode_frame(frame: bytes) -> Optional[PoolBounds]:
         aux=_opt_count(data.get("aux"), "aux"),
         state=tuple(_opt_count(v, f"state component {c}") for c, v in enumerate(data.get("state", []))),
         aux_item_lens=_opt_sizes(data.get("aux_item_lens")),
+        reads_digests=data.get("digests") is True,
     )
 
 

@@ -17,8 +17,9 @@ Across TP sizes (2 -> 1, 1 -> 2) the fault is a landed byte instead
 (``inflight_flip.flip_one_landed_byte``): there 0.5.23 hands head slices straight
 to the engine, where the in-flight hook would flip before the digest reads.
 
-Verification needs SGLang's common status codec (0.5.20+); on older releases
-the verified cases are skipped (``verification.available``). Where Mooncake's
+Up to 0.5.19 the digest rides on the fourth status frame of the ``-ext`` peer exchange
+(``mooncake_peers``, F6/F9): the same cases run there; where neither is available the
+verified cases are skipped (``verification.available``). Where Mooncake's
 prefill bootstrap loop takes decode's notices (0.5.22+), decode's mismatch
 notice reaches prefill and is counted there.
 
@@ -26,6 +27,7 @@ notice reaches prefill and is counted there.
 per page size; CI runs the default, a long run sets e.g. 500 (1,000 in all).
 """
 
+import dataclasses
 import os
 import random
 import re
@@ -132,7 +134,27 @@ def test_flipped_byte_fails_the_room_with_verification(case):
     assert (float(told.group(1)) if told else 0.0) == (1.0 if PREFILL_HEARS else 0.0), result.plugin_metrics["prefill"]
 
 
+@needs_verify
+@pytest.mark.timeout(120)
+def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
+    """A verifying ``mooncake-ext`` prefill with a stock decode: three requests, every one
+    Success with every byte right, and the decode's status thread alive throughout (up to
+    0.5.19 a fourth status frame would end it: prefill sends the digest only to a decode
+    whose registration said it reads one; from 0.5.20 stock's codec ignores a trailing
+    frame). Nothing on decode counts a verified room."""
+    scn = with_state("verifying prefill, stock decode", "swa", [1, 2], [4, 5], n_kv_pages=2, timeouts=SHORT)
+    scn.requests = [dataclasses.replace(scn.requests[0], aux_index=i, dst_aux_index=i + 1) for i in range(3)]
+    result = run_scenario(scn, "mooncake-ext", decode_backend="mooncake", extra_env=VERIFY)
+    assert "_V" in (result.prefill_manager or "").rsplit(".", 1)[-1], result.describe()
+    assert "sglang_disagg_ext" not in (result.decode_manager or ""), result.describe()
+    assert len(result.requests) == 3 and result.ok, result.describe()
+    assert all(r.decode_status == r.prefill_status == "Success" and r.bytes_verified for r in result.requests), \
+        result.describe()
+    assert "verified_transfers_total" not in result.plugin_metrics.get("decode", ""), result.plugin_metrics
+
+
 KINDS = ("swa", "nsa", "dsv4", "mamba")
+FLAT_KINDS = {1: ("swa",), 4: ("nsa",)}
 
 
 @needs_verify
@@ -142,7 +164,9 @@ def test_no_false_alarm_over_random_transfers(page_size):
     """Random page maps and lengths (empty included), chunking, aux rows, and every
     state kind in one request; every request Success and byte-checked by the harness."""
     n = int(os.environ.get("SGLANG_DISAGG_EXT_RANDOM_TRANSFERS", "150"))
-    scenario = random_scenario(random.Random(16 + page_size), n, page_size, KINDS,
+    # The flat layout (0.5.10.post1, 0.5.11) has one state component: a kind per page size.
+    kinds = KINDS if POLICY.layout is not releases.StateLayout.FLAT else FLAT_KINDS[page_size]
+    scenario = random_scenario(random.Random(16 + page_size), n, page_size, kinds,
                                f"verify: {n} random transfers, page size {page_size}")
     result = run_scenario(scenario, "mooncake-ext", extra_env=VERIFY, timeout_s=max(240, n * 0.5))
     assert result.ok, result.describe()

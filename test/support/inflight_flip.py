@@ -87,7 +87,7 @@ def flip_one_landed_byte(mgr) -> None:
 
     For engines whose writes the harness cannot catch mid-call (NIXL posts a
     transfer and completes it later, from descriptor lists), the byte goes wrong
-    at the destination instead: ``mgr.apply_prefill_status`` is shadowed, and on
+    at the destination instead: ``mgr.apply_prefill_status`` is shadowed (where it exists), and on
     the ``SGLANG_HARNESS_FLIP_AFTER_SUCCESSES``-th Success a prefill rank reports
     (default 1; the test sets its prefill TP size) it flips (XOR 0xFF) byte
     ``SGLANG_HARNESS_FLIP_OFFSET`` of page ``SGLANG_HARNESS_FLIP_PAGE`` of the
@@ -107,11 +107,17 @@ def flip_one_landed_byte(mgr) -> None:
     # Several prefill ranks each write part of the page and report their own Success: flip at
     # the last one's, after every part landed (an earlier flip could be overwritten).
     successes = int(os.environ.get("SGLANG_HARNESS_FLIP_AFTER_SUCCESSES", "1"))
-    stock = mgr.apply_prefill_status
+    stock = getattr(mgr, "apply_prefill_status", None)
+    name = "apply_prefill_status"
+    if stock is None:
+        # Mooncake up to 0.5.19 has no per-rank handler: its decode thread counts the ranks'
+        # Success messages itself and calls update_status(room, Success) once, after the
+        # last (-ext's check runs inside it): flip there, at the first.
+        stock, name, successes = mgr.update_status, "update_status", 1
     seen = []
     lock = threading.Lock()
 
-    def apply_prefill_status(*args, **kwargs):
+    def on_status(*args, **kwargs):
         status = kwargs.get("status", args[1] if len(args) > 1 else None)
         if status is not None and int(status) == 4:  # KVPoll.Success
             with lock:
@@ -121,4 +127,4 @@ def flip_one_landed_byte(mgr) -> None:
                     byte.value ^= 0xFF
         return stock(*args, **kwargs)
 
-    mgr.apply_prefill_status = apply_prefill_status
+    setattr(mgr, name, on_status)

@@ -58,6 +58,11 @@ def test_frame_round_trip_and_foreign_frames():
     assert decode_frame(b"\x00\x01\x00\x00\x00\x00\x00\x00") is None
     assert bounds_in_message([b"None", b"127.0.0.1", b"1", b"s:1", frame]) == b
     assert bounds_in_message([b"None", b"127.0.0.1", b"1", b"s:1", b""]) is None
+    # A verifying decode says so; a frame without the key (older -ext) reads as not.
+    v = PoolBounds(kv=12, aux=None, state=(8, None), reads_digests=True)
+    assert decode_frame(encode_frame(v)) == v
+    assert decode_frame(FRAME_PREFIX + b'{"kv": 12, "aux": null, "state": []}').reads_digests is False
+    assert decode_frame(FRAME_PREFIX + b'{"kv": 12, "digests": 1}').reads_digests is False  # only true counts
 
 
 @pytest.mark.parametrize("tail", [b"{not json", b'{"kv": -1}', b'{"kv": true}', b'{"state": 3}'])

@@ -63,6 +63,7 @@ def _mgr(mode):
     mgr._peer_bounds = {}
     mgr._unchecked_peers = set()
     mgr._reason_endpoints = set()
+    mgr._digest_endpoints = set()
     mgr._peer_reasons = {}
     return mgr
 
@@ -158,7 +159,7 @@ def test_decode_takes_the_reason_frame_off_and_records_it():
     raw = RecordingSocket(incoming=[[b"1000", failed, b"0", b"sglang-disagg-ext:reason:kv: destination index 40"],
                                     [b"1001", failed, b"0"],
                                     [b"AUX_DATA", b"x", b"y", b"z"]])
-    sock = FilteringSocket(raw, mgr._take_reason_frame, logging.getLogger("test"))
+    sock = FilteringSocket(raw, mgr._take_status_frame, logging.getLogger("test"))
     assert sock.recv_multipart() == [b"1000", failed, b"0"]  # what stock unpacks
     assert sock.recv_multipart() == [b"1001", failed, b"0"]
     assert sock.recv_multipart() == [b"AUX_DATA", b"x", b"y", b"z"]  # four frames, not a reason: unchanged
@@ -170,6 +171,41 @@ def test_decode_takes_the_reason_frame_off_and_records_it():
         1001: "Failed to get kvcache from prefill instance, it might be dead",
     }
     assert mgr._peer_reasons == {}
+
+
+def test_registration_decides_who_gets_digests(three_frame_decode):
+    """Only a decode whose frame says it reads digests (an -ext decode verifying) gets one."""
+    from sglang_disagg_ext.core.index_bounds import PoolBounds, encode_frame
+
+    mgr = _mgr(DisaggregationMode.PREFILL)
+    verifying = encode_frame(PoolBounds(kv=8, aux=4, reads_digests=True))
+    assert b'"digests": true' in verifying
+    mgr._note_if_registration([b"None", b"127.0.0.1", b"7001", b"127.0.0.1:5001", b"", verifying])
+    mgr._note_if_registration([b"None", b"127.0.0.1", b"7002", b"127.0.0.1:5002", b"",
+                               encode_frame(PoolBounds(kv=8, aux=4))])
+    mgr._note_if_registration([b"None", b"127.0.0.1", b"7003", b"127.0.0.1:5003", b""])  # stock
+    assert mgr._digest_endpoints == {("127.0.0.1", 7001)}
+    assert mgr._reason_endpoints == {("127.0.0.1", 7001), ("127.0.0.1", 7002)}
+    # Registering again without the flag (verification switched off there): no more digests.
+    mgr._note_if_registration([b"None", b"127.0.0.1", b"7001", b"127.0.0.1:5001", b"",
+                               encode_frame(PoolBounds(kv=8, aux=4))])
+    assert mgr._digest_endpoints == set()
+
+
+def test_decode_takes_the_digest_frame_off_and_hands_it_on():
+    mgr = _mgr(DisaggregationMode.DECODE)
+    kept = []
+    mgr._keep_digest_frame = lambda room, rank, frame: kept.append((room, rank, frame))
+    ok = str(int(KVPoll.Success)).encode()
+    raw = RecordingSocket(incoming=[[b"1000", ok, b"1", b"sglang-disagg-ext:digest:SDXD-frame-bytes"],
+                                    [b"1001", ok, b"0"]])
+    sock = FilteringSocket(raw, mgr._take_status_frame, logging.getLogger("test"))
+    assert sock.recv_multipart() == [b"1000", ok, b"1"]  # what stock unpacks
+    assert sock.recv_multipart() == [b"1001", ok, b"0"]
+    assert kept == [(1000, 1, b"SDXD-frame-bytes")]
+    # Without the verified-transfer mixin (this decode never asked for one) it is dropped.
+    plain = _mgr(DisaggregationMode.DECODE)
+    assert plain._take_status_frame([b"1002", ok, b"0", b"sglang-disagg-ext:digest:x"]) == [b"1002", ok, b"0"]
 
 
 def test_conclude_room_failed_by_hand_tells_every_non_dummy_rank(monkeypatch):
