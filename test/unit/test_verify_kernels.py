@@ -165,6 +165,8 @@ def test_rows_digest_index_in_runs_digests_in_place(monkeypatch):
         rows_digest(pool, 2, 0, list(range(40)), index=list(range(50, 90)))  # in-place path
     with pytest.raises((IndexError, RuntimeError)):
         rows_digest(pool, 2, 0, [0, 1], index=[3, 80])  # gather path
+    with pytest.raises((IndexError, RuntimeError)):
+        rows_digest(pool, 2, 0, [0, 1], index=[-1, 3])  # gather path, below the pool
 
 
 @pytest.mark.timeout(30)
