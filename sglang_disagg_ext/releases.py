@@ -596,6 +596,19 @@ class SGLangFeatures:
         return {"conclude_transfer", "parse_kv_status_message"} <= called
 
     @functools.cached_property
+    def mori_own_status_message(self) -> bool:
+        """Whether MoRI's manager builds its own status message (``notify_decode_status``:
+        guard, room, status, rank, reason), reads it in ``_start_decode_thread``'s worker by
+        position (a trailing frame is never read) and feeds its transfers through
+        ``_transfer_worker``'s queue: 0.5.13-0.5.19 (0.5.16 mori/conn.py:647, :583, :435).
+        0.5.10.post1-0.5.12.x have the message but no transfer-worker queue; 0.5.20+ use
+        the common codec (:attr:`mori_status_codec`)."""
+        text = _stock_disaggregation_source("mori/conn.py")
+        tree = ast.parse(text) if text else None
+        defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} if tree else set()
+        return {"notify_decode_status", "_start_decode_thread", "_transfer_worker"} <= defined
+
+    @functools.cached_property
     def nixl_success_via_listener_only(self) -> bool:
         """Whether a NIXL decode learns a room's Success only from prefill's ``KV_STATUS``
         message on its listener thread (0.5.23: ``NixlKVReceiver.poll`` reads

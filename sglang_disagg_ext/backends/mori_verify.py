@@ -12,8 +12,13 @@ is handed to MoRI. Decode's buffer starts come from the descriptors in its regis
 Everything else (placement, partials, the status frame, decode's check) is
 :mod:`.transfer_verify`'s.
 
-Only where MoRI concludes rooms through SGLang's common status codec (0.5.20+, probe
-``mori_status_codec``). Not covered: the metadata row over TCP (``send_aux_tcp``, the
+Where MoRI concludes rooms through SGLang's common status codec (0.5.20+, probe
+``mori_status_codec``) the digest rides there as for the other engines. On 0.5.13-0.5.19
+(probe ``mori_own_status_message``) MoRI builds its own status message
+(``notify_decode_status``: guard, room, status, rank, reason) and its decode worker reads
+it by position, never past the reason: the digest goes as one more trailing frame to
+every decode (stock ignores it), and the ``-ext`` decode reads it through a socket
+filter before the worker does. Not covered: the metadata row over TCP (``send_aux_tcp``, the
 default without RDMA for aux): its page is not listed, so decode does not check it.
 MoRI's decode never reads mismatch notices (no ``_handle_abort_notification``), so
 prefill is not told. Tested against the MoRI stand-in (``test/support/mori_standin``):
@@ -26,13 +31,26 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.backends.shared import FilteringSocket
 from sglang_disagg_ext.backends.transfer_verify import (
+    _SUCCESS,
     RoomQueue,
     VerifiedTransferMixin,
     logger,
     recorded_attribute,
     state_lists,
 )
+from sglang_disagg_ext.core import digest as dg
+
+
+def _room_of(item) -> Optional[int]:
+    """The room of a transfer-queue item: ``.room`` (0.5.20+ chunks), or its sender's
+    ``bootstrap_room`` (0.5.13-0.5.19 ``_TransferChunk``); None for teardown's sentinel."""
+    room = getattr(item, "room", None)
+    if room is None:
+        room = getattr(getattr(item, "sender", None), "bootstrap_room", None)
+    return room
 
 
 class RecordingEngine:
@@ -80,7 +98,7 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         """
         if not self._verify_on:
             return super()._transfer_worker(queue, *args, **kwargs)
-        return super()._transfer_worker(RoomQueue(queue, self), *args, **kwargs)
+        return super()._transfer_worker(RoomQueue(queue, self, _room_of), *args, **kwargs)
 
     def _verify_dst_pointers(self, info) -> Tuple[List[int], List[int], List[List[int]]]:
         """MoRI registers decode's buffers as memory descriptors: their addresses."""
@@ -100,3 +118,67 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
             logger.exception("verified transfers: digest of a MoRI transfer failed; the room goes unverified")
             self._verify_mark_unplaced(peer, "digest raised")
+
+    # -- 0.5.13-0.5.19: MoRI's own status message --------------------------------------
+    def notify_decode_status(self, infos, bootstrap_room, status, failure_reason=None):
+        """Stock's status message; a Success carries each decode endpoint's digest as one
+        more trailing frame.
+
+        Contract: prefill only, up to 0.5.19 (0.5.20+ conclude through the common codec):
+        the sender calls it once when a room concludes, with the room's ``TransferInfo``s
+        (one per decode engine; the room's partials are keyed by their ``engine_key``).
+        Stock's frames (guard, room, status, rank, reason or empty) go out unchanged and
+        in order; stock's decode worker reads them by position and never the one after.
+        The room's partials are taken whatever the status. A send that fails is logged,
+        as stock does. Must not raise more than stock does.
+        """
+        if (not self._verify_on or releases.features().mori_status_codec
+                or self.disaggregation_mode.name != "PREFILL" or not infos):
+            return super().notify_decode_status(infos, bootstrap_room, status, failure_reason)
+        with self._verify_lock:
+            partials = {k[1]: self._verify_partials.pop(k) for k in list(self._verify_partials)
+                        if k[0] == bootstrap_room}
+        if int(status) != _SUCCESS:
+            return super().notify_decode_status(infos, bootstrap_room, status, failure_reason)
+        from sglang.srt.disaggregation.mori.conn import MORI_GUARD
+        from sglang.srt.utils.network import NetworkAddress
+
+        by_target: Dict[Tuple[str, int], dict] = {}
+        for info in infos:
+            by_target.setdefault((info.endpoint, int(info.dst_port)), {})[str(info.engine_key)] = info
+        stock = [MORI_GUARD, str(bootstrap_room).encode("ascii"), str(int(status)).encode("ascii"),
+                 str(self._compute_prefill_unique_rank()).encode("ascii"),
+                 failure_reason.encode("utf-8") if failure_reason else b""]
+        for target, group in by_target.items():
+            frame = self._verify_frame(bootstrap_room, target, group, partials)
+            try:
+                na = NetworkAddress(*target)
+                self._connect_threadsafe(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
+                    stock + ([frame] if frame is not None else []))
+            except Exception:  # noqa: BLE001 - as stock: the room's status stays what it is
+                logger.exception("Failed to sync status %s to decode endpoint %s:%s for room %s",
+                                 status, target[0], target[1], bootstrap_room)
+
+    def _start_decode_thread(self):
+        """Stock's decode worker, reading through a socket that keeps each Success's digest frame.
+
+        Contract: decode only; SGLang's constructor calls it once, after ``server_socket``
+        is bound and before any prefill knows this decode. Up to 0.5.19 the worker reads
+        ``self.server_socket`` for every message; the filter hands each one on unchanged
+        (stock never reads the trailing frame) and must never raise into that thread.
+        """
+        if self._verify_on and not releases.features().mori_status_codec:
+            from sglang.srt.disaggregation.mori.conn import MORI_GUARD
+
+            self._verify_guard = bytes(MORI_GUARD)
+            self.server_socket = FilteringSocket(self.server_socket, self._verify_note_status, logger)
+        return super()._start_decode_thread()
+
+    def _verify_note_status(self, msg):
+        """A status message ``[guard, room, status, rank, reason, digest]``: keep the digest of a
+        Success for the room; None (every message goes on unchanged)."""
+        if len(msg) >= 6 and bytes(msg[0]) == self._verify_guard and int(bytes(msg[2]).decode("ascii")) == _SUCCESS:
+            frame = bytes(msg[5])
+            if frame.startswith(dg.FRAME_MAGIC):
+                self._verify_keep_frame(int(bytes(msg[1]).decode("ascii")), int(bytes(msg[3]).decode("ascii")), frame)
+        return None

@@ -148,14 +148,15 @@ def _table_arrays(table: List[_Buffer]) -> Tuple[np.ndarray, np.ndarray, np.ndar
 class RoomQueue:
     """A transfer queue as its worker sees it: ``get`` notes the room of the chunk it returns."""
 
-    def __init__(self, queue, owner):
+    def __init__(self, queue, owner, room_of=None):
         self._queue = queue
         self._owner = owner
+        self._room_of = room_of or (lambda item: getattr(item, "room", None))
 
     def get(self, *args, **kwargs):
         self._owner._verify_tls.room = None
         item = self._queue.get(*args, **kwargs)
-        room = getattr(item, "room", None)
+        room = self._room_of(item)
         self._owner._verify_tls.room = room
         if room is not None:
             for session in list(self._owner.transfer_infos.get(room, {}) or {}):

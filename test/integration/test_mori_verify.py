@@ -1,4 +1,4 @@
-"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), 0.5.20+ (CI: 0.5.23).
+"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), 0.5.13+ (CI: 0.5.23).
 
 MoRI's engine needs its RDMA stack, which this machine does not have: both sides run
 SGLang's real MoRI managers over the MoRI stand-in (``test/support/mori_standin``, the
@@ -22,6 +22,7 @@ MoRI's prefill never reads decode's mismatch notice (no ``_handle_abort_notifica
 its bootstrap loop): prefill is not told, and nothing is counted there.
 """
 
+import dataclasses
 import os
 import random
 
@@ -105,3 +106,21 @@ def test_no_false_alarm_over_random_transfers(shape):
     assert len(result.requests) == n
     assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
     assert counted_ok(result) == [float(n)] * d, result.plugin_metrics
+
+
+@pytest.mark.timeout(180)
+def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
+    """A verifying ``mori-ext`` prefill with a stock ``mori`` decode: the digest is one more
+    trailing frame of the status message (the common codec's on 0.5.20+, MoRI's own on
+    0.5.13-0.5.19), which stock's decode never reads. Three requests, every one Success
+    with every byte right; nothing counted as verified on decode."""
+    build, _, _, _, _ = CASES["kv"]
+    scn = build()
+    scn.requests = [dataclasses.replace(scn.requests[0], aux_index=i, dst_aux_index=i + 1) for i in range(3)]
+    result = run_scenario(scn, "mori-ext", decode_backend="mori", extra_env=_env(**VERIFY))
+    assert "_V" in (result.prefill_manager or "").rsplit(".", 1)[-1], result.describe()
+    assert "sglang_disagg_ext" not in (result.decode_manager or ""), result.describe()
+    assert len(result.requests) == 3 and result.ok, result.describe()
+    assert all(r.decode_status == r.prefill_status == "Success" and r.bytes_verified for r in result.requests), \
+        result.describe()
+    assert "verified_transfers_total" not in result.plugin_metrics.get("decode", ""), result.plugin_metrics

@@ -107,24 +107,40 @@ def flip_one_landed_byte(mgr) -> None:
     # Several prefill ranks each write part of the page and report their own Success: flip at
     # the last one's, after every part landed (an earlier flip could be overwritten).
     successes = int(os.environ.get("SGLANG_HARNESS_FLIP_AFTER_SUCCESSES", "1"))
-    stock = getattr(mgr, "apply_prefill_status", None)
-    name = "apply_prefill_status"
-    if stock is None:
-        # Mooncake up to 0.5.19 has no per-rank handler: its decode thread counts the ranks'
-        # Success messages itself and calls update_status(room, Success) once, after the
-        # last (-ext's check runs inside it): flip there, at the first.
-        stock, name, successes = mgr.update_status, "update_status", 1
-    seen = []
+    seen, flipped = [], []
     lock = threading.Lock()
 
-    def on_status(*args, **kwargs):
-        status = kwargs.get("status", args[1] if len(args) > 1 else None)
-        if status is not None and int(status) == 4:  # KVPoll.Success
-            with lock:
-                seen.append(1)
-                if len(seen) == successes:
-                    byte = ctypes.c_uint8.from_address(target)
-                    byte.value ^= 0xFF
-        return stock(*args, **kwargs)
+    def flip_once():
+        if not flipped:
+            flipped.append(1)
+            byte = ctypes.c_uint8.from_address(target)
+            byte.value ^= 0xFF
 
-    setattr(mgr, name, on_status)
+    def is_success(args, kwargs) -> bool:
+        status = kwargs.get("status", args[1] if len(args) > 1 else None)
+        return status is not None and int(status) == 4  # KVPoll.Success
+
+    # Where SGLang hands each prefill rank's status to apply_prefill_status: flip at the
+    # SUCCESSES-th. Where it does not (Mooncake up to 0.5.19 counts the ranks in its decode
+    # thread; MoRI up to 0.5.19 in its worker), update_status(room, Success) comes once,
+    # after the last rank: flip there. Whichever comes first flips, once.
+    stock_apply = getattr(mgr, "apply_prefill_status", None)
+    if stock_apply is not None:
+        def apply_prefill_status(*args, **kwargs):
+            if is_success(args, kwargs):
+                with lock:
+                    seen.append(1)
+                    if len(seen) == successes:
+                        flip_once()
+            return stock_apply(*args, **kwargs)
+
+        mgr.apply_prefill_status = apply_prefill_status
+    stock_update = mgr.update_status
+
+    def update_status(*args, **kwargs):
+        if is_success(args, kwargs):
+            with lock:
+                flip_once()
+        return stock_update(*args, **kwargs)
+
+    mgr.update_status = update_status
