@@ -27,7 +27,6 @@ notice reaches prefill and is counted there.
 per page size; CI runs the default, a long run sets e.g. 500 (1,000 in all).
 """
 
-import dataclasses
 import os
 import random
 import re
@@ -41,10 +40,12 @@ from support.verify_cases import (
     HEAD_DIM,
     HEADS,
     assert_flip_failed_by_digest,
+    assert_stock_decode_served,
     counted_ok,
     flip_cases,
     landed_flip_env,
     random_scenario,
+    three_rooms,
 )
 
 pytestmark = pytest.mark.engine
@@ -142,15 +143,9 @@ def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
     0.5.19 a fourth status frame would end it: prefill sends the digest only to a decode
     whose registration said it reads one; from 0.5.20 stock's codec ignores a trailing
     frame). Nothing on decode counts a verified room."""
-    scn = with_state("verifying prefill, stock decode", "swa", [1, 2], [4, 5], n_kv_pages=2, timeouts=SHORT)
-    scn.requests = [dataclasses.replace(scn.requests[0], aux_index=i, dst_aux_index=i + 1) for i in range(3)]
-    result = run_scenario(scn, "mooncake-ext", decode_backend="mooncake", extra_env=VERIFY)
-    assert "_V" in (result.prefill_manager or "").rsplit(".", 1)[-1], result.describe()
-    assert "sglang_disagg_ext" not in (result.decode_manager or ""), result.describe()
-    assert len(result.requests) == 3 and result.ok, result.describe()
-    assert all(r.decode_status == r.prefill_status == "Success" and r.bytes_verified for r in result.requests), \
-        result.describe()
-    assert "verified_transfers_total" not in result.plugin_metrics.get("decode", ""), result.plugin_metrics
+    scn = three_rooms(with_state("verifying prefill, stock decode", "swa", [1, 2], [4, 5], n_kv_pages=2,
+                                 timeouts=SHORT))
+    assert_stock_decode_served(run_scenario(scn, "mooncake-ext", decode_backend="mooncake", extra_env=VERIFY))
 
 
 KINDS = ("swa", "nsa", "dsv4", "mamba")

@@ -22,7 +22,6 @@ MoRI's prefill never reads decode's mismatch notice (no ``_handle_abort_notifica
 its bootstrap loop): prefill is not told, and nothing is counted there.
 """
 
-import dataclasses
 import os
 import random
 
@@ -36,11 +35,13 @@ from support.verify_cases import (
     HEAD_DIM,
     HEADS,
     assert_flip_failed_by_digest,
+    assert_stock_decode_served,
     assert_flip_unnoticed,
     counted_ok,
     flip_cases,
     landed_flip_env,
     random_scenario,
+    three_rooms,
 )
 
 POLICY = releases.current_policy()
@@ -115,12 +116,5 @@ def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
     0.5.13-0.5.19), which stock's decode never reads. Three requests, every one Success
     with every byte right; nothing counted as verified on decode."""
     build, _, _, _, _ = CASES["kv"]
-    scn = build()
-    scn.requests = [dataclasses.replace(scn.requests[0], aux_index=i, dst_aux_index=i + 1) for i in range(3)]
-    result = run_scenario(scn, "mori-ext", decode_backend="mori", extra_env=_env(**VERIFY))
-    assert "_V" in (result.prefill_manager or "").rsplit(".", 1)[-1], result.describe()
-    assert "sglang_disagg_ext" not in (result.decode_manager or ""), result.describe()
-    assert len(result.requests) == 3 and result.ok, result.describe()
-    assert all(r.decode_status == r.prefill_status == "Success" and r.bytes_verified for r in result.requests), \
-        result.describe()
-    assert "verified_transfers_total" not in result.plugin_metrics.get("decode", ""), result.plugin_metrics
+    assert_stock_decode_served(run_scenario(three_rooms(build()), "mori-ext", decode_backend="mori",
+                                            extra_env=_env(**VERIFY)))

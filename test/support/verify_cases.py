@@ -4,6 +4,7 @@ aux rows and the given state kinds, every index inside its pool), and the one-re
 scenarios with the landed byte each flip case changes (pages derived by hand below).
 Test-only; outside the wheel."""
 
+import dataclasses
 import os
 import random
 import re
@@ -141,3 +142,21 @@ def landed_flip_env(component: str, buffer: int, page: int, prefill_tp: int = 1)
         "SGLANG_HARNESS_FLIP_PAGE": str(page),
         "SGLANG_HARNESS_FLIP_AFTER_SUCCESSES": str(prefill_tp),
     }
+
+
+def three_rooms(scn: Scenario) -> Scenario:
+    """``scn``'s one request three times over, each with its own aux rows (metadata rows 0-2 -> 1-3)."""
+    scn.requests = [dataclasses.replace(scn.requests[0], aux_index=i, dst_aux_index=i + 1) for i in range(3)]
+    return scn
+
+
+def assert_stock_decode_served(result) -> None:
+    """A verifying ``-ext`` prefill with a stock decode: every room Success on both sides with
+    every byte right (the decode's status thread never met a frame it could not read), nothing
+    counted as verified on decode."""
+    assert "_V" in (result.prefill_manager or "").rsplit(".", 1)[-1], result.describe()
+    assert "sglang_disagg_ext" not in (result.decode_manager or ""), result.describe()
+    assert len(result.requests) == 3 and result.ok, result.describe()
+    assert all(r.decode_status == r.prefill_status == "Success" and r.bytes_verified for r in result.requests), \
+        result.describe()
+    assert "verified_transfers_total" not in result.plugin_metrics.get("decode", ""), result.plugin_metrics
