@@ -24,7 +24,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .procs import Child, ForkedChild, spawn
-from .scenario import Scenario
+from .scenario import MISMATCH_NOTICE_WAIT_S, Scenario
 from .transport import TransferOptions, engine_env
 
 FINAL = ("Success", "Failed")
@@ -467,7 +467,9 @@ def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn:
 
     * a worker died in setup (no result, or an error before any request): the
       others would wait for it; 3 s;
-    * every decode gone while a prefill runs: nobody consumes prefill's work; 3 s;
+    * every decode gone while a prefill runs: nobody consumes prefill's work; 3 s
+      (``MISMATCH_NOTICE_WAIT_S`` + 3 s once its requests are done: it may be counting
+      decode's mismatch notices, and exits by itself);
     * every prefill gone while a decode runs: decode can still finish what is
       in flight, so it gets SGLang's waiting timeout plus a margin (3 s when
       the prefill never got to its requests).
@@ -494,7 +496,14 @@ def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn:
             by_role[_role_rank(name)[0]].append(name)
         alive = {role: any(states[n] is None for n in ns) for role, ns in by_role.items()}
         if not alive["decode"] and alive["prefill"]:
-            if now - max(gone_since[n] for n in by_role["decode"]) > 3.0:
+            # A prefill whose requests are done may still be counting decode's mismatch
+            # notices (bounded by MISMATCH_NOTICE_WAIT_S): killed before its last result
+            # write, its counts were lost (seen once in CI, under load, at NIXL TP 1 -> 2).
+            # One still in its requests gets the short grace, as before.
+            counting = all((_read_json(os.path.join(run_dir, f"{n}.json")) or {}).get("done")
+                           for n in by_role["prefill"] if states[n] is None)
+            grace = MISMATCH_NOTICE_WAIT_S + 3.0 if counting else 3.0
+            if now - max(gone_since[n] for n in by_role["decode"]) > grace:
                 return
         if not alive["prefill"] and alive["decode"]:
             served = any(results.get(n, {}).get("requests") for n in by_role["prefill"])

@@ -131,6 +131,12 @@ class RequestSpec:
         return self.aux_index if self.dst_aux_index is None else self.dst_aux_index
 
 
+# How long a prefill worker waits, after every rank is done, for the verification-mismatch
+# notices the decode ranks say they sent it (worker._await_mismatch_notices); the parent
+# lets a prefill outlive its decodes by a little more than this (run._wait_children).
+MISMATCH_NOTICE_WAIT_S = 10.0
+
+
 @dataclasses.dataclass
 class Timeouts:
     """Bounds, in seconds. Every wait in the harness has one.

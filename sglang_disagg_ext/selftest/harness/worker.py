@@ -899,7 +899,9 @@ class Worker:
         # Once more, for counters that move after this rank's own requests ended: a decode's
         # verification-mismatch notice reaches prefill after prefill concluded the room.
         if self.role == "prefill":
-            self._await_mismatch_notices(done_files, time.monotonic() + 10.0)
+            from sglang_disagg_ext.selftest.harness.scenario import MISMATCH_NOTICE_WAIT_S
+
+            self._await_mismatch_notices(done_files, time.monotonic() + MISMATCH_NOTICE_WAIT_S)
         self.write_result()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -921,8 +923,11 @@ class Worker:
         expected = sum(_done_file_counts(f).get(f"{host}:{port}", 0.0) for f in done_files)
         while expected and time.monotonic() < deadline:
             if sum(_counter_samples("verify_mismatch_reports_total").values()) >= expected:
-                return
+                break
             time.sleep(0.05)
+        if expected:
+            got = sum(_counter_samples("verify_mismatch_reports_total").values())
+            self.mark(f"mismatch notices for {host}:{port}: {got:g} of {expected:g} counted")
 
 
 class _Pool:
