@@ -883,7 +883,8 @@ class Worker:
             self.result["done"] = True
             self.result["timings"]["total"] = round(_now(), 3)
             self.write_result()
-        _touch(self.args.done_file, _counter_samples("verify_mismatch_notices_sent_total", "prefill"))
+        sent = _counter_samples("verify_mismatch_notices_sent_total", "prefill")
+        _touch(self.args.done_file, sent)
         # Every rank stays up until every rank is done. Prefill keeps the
         # bootstrap server and its status sync up for decode. Decode keeps its
         # engine up for writes still in flight from slower prefill ranks: stock
@@ -898,10 +899,19 @@ class Worker:
             time.sleep(0.05)
         # Once more, for counters that move after this rank's own requests ended: a decode's
         # verification-mismatch notice reaches prefill after prefill concluded the room.
-        if self.role == "prefill":
-            from sglang_disagg_ext.selftest.harness.scenario import MISMATCH_NOTICE_WAIT_S
+        from sglang_disagg_ext.selftest.harness.scenario import MISMATCH_NOTICE_WAIT_S
 
+        if self.role == "prefill":
             self._await_mismatch_notices(done_files, time.monotonic() + MISMATCH_NOTICE_WAIT_S)
+            _touch(_counted_file(self.args.done_file))
+        elif sent:
+            # A decode that sent mismatch notices stays up until every prefill rank has
+            # counted them: its notices are queued on ZMQ sockets that die with this
+            # process, and one exiting at once lost its notice (clean-clone CI, 0.5.23).
+            counted = [_counted_file(f) for f in done_files if os.path.basename(f).startswith("prefill")]
+            end = time.monotonic() + MISMATCH_NOTICE_WAIT_S + 2.0
+            while time.monotonic() < end and not all(os.path.exists(f) for f in counted):
+                time.sleep(0.05)
         self.write_result()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -1042,6 +1052,11 @@ def _touch(path: Optional[str], counts: Optional[Dict[str, float]] = None) -> No
         with open(tmp, "w") as f:
             json.dump({"pid": os.getpid(), "counts": counts or {}}, f)
         os.replace(tmp, path)
+
+
+def _counted_file(done_file: str) -> str:
+    """Written by a prefill rank once it has counted the mismatch notices sent to it."""
+    return f"{done_file}.counted"
 
 
 def _done_file_counts(path: str) -> Dict[str, float]:

@@ -168,9 +168,11 @@ def registration_fault() -> Scenario:
 # room 1000 has waited out the 5 s waiting timeout, while prefill's room 1001 has been
 # bootstrapping since room 1000 ended: with a 5 s bootstrap timeout the two raced (decode
 # registered 1001 at +4.94 s; on a loaded machine prefill timed it out first, clean-clone CI
-# of e52cf56). Prefill's bootstrap timeout is three waiting timeouts here, so that harness
-# artefact never decides room 1001; the waiting timeout, which the tests measure, is unchanged.
-LISTENER_FAULT_TIMEOUTS = dataclasses.replace(TIMEOUTS, sglang_bootstrap_s=3 * TIMEOUTS.sglang_waiting_s)
+# of e52cf56). Prefill's bootstrap timeout is eight waiting timeouts here, so that harness
+# artefact never decides room 1001 (three were not enough once: stock decode's room 1000 took
+# 14.4 s to time out under load, clean-clone CI of 66f7d70); the waiting timeout, which the
+# tests measure, is unchanged.
+LISTENER_FAULT_TIMEOUTS = dataclasses.replace(TIMEOUTS, sglang_bootstrap_s=8 * TIMEOUTS.sglang_waiting_s)
 
 
 def listener_fault() -> Scenario:
