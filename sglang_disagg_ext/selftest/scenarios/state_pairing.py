@@ -102,6 +102,7 @@ def _row(kind: str, n: int, extra: int) -> BuiltinScenario:
         f"decode's {kind} pool has {extra} draft layer(s) after prefill's {n} (stock: V buffers shifted into them)",
         lambda p, kind=kind, n=n, extra=extra: tail_layers(kind, n, extra),
         signature=_signature(kind, n, extra),
+        stock_reports_success=lambda: True,
     )
 
 
