@@ -38,7 +38,9 @@ py=${PYTHON:-python3}
 # The marker file is written last: a half-built venv has none and is rebuilt.
 rm -rf "$venv"
 "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
+# --no-compile: pip byte-compiles each wheel's files one at a time, which was about 60 of
+# the 93 s a venv took; compileall below does the same on every core (33.6 + 12.9 s).
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-compile)
 
 # CPU torch first, so nothing later pulls a CUDA build.
 "${pip[@]}" "torch==2.13.0"
@@ -57,6 +59,10 @@ for stub in "${stubs[@]}"; do
   rm -rf "${site:?}/$stub"
   cp -r "$root/scripts/cpu_stubs/$stub" "$site/$stub"
 done
+
+# Byte-compile what pip did not. As pip does, a file that does not compile under this
+# Python is left to fail at import (torch ships a 3.12-only test helper).
+"$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
 
 # No CUDA wheels on a CPU machine. (No pipe into grep -q: with pipefail,
 # SIGPIPE can turn a match into a failure.)
