@@ -609,6 +609,15 @@ class SGLangFeatures:
         return {"notify_decode_status", "_start_decode_thread", "_transfer_worker"} <= defined
 
     @functools.cached_property
+    def nixl_refuses_dsv4_state(self) -> bool:
+        """Whether stock NIXL's state send has no DSv4 branch and so raises for a DSv4 state
+        component ("PD Disaggregation via NIXL does NOT support {type} hybrid models yet"),
+        failing the room on stock and ``nixl-ext`` alike: up to 0.5.12.x it dispatches mamba,
+        swa and nsa only (0.5.11 nixl/conn.py:885-889, 0.5.12.post1 :1564-1567); 0.5.23 sends
+        ``StateType.DSV4_REQUEST_STATE`` with the paged kinds (:3190)."""
+        return "dsv4" not in _stock_disaggregation_source("nixl/conn.py").lower()
+
+    @functools.cached_property
     def nixl_success_via_listener_only(self) -> bool:
         """Whether a NIXL decode learns a room's Success only from prefill's ``KV_STATUS``
         message on its listener thread (0.5.23: ``NixlKVReceiver.poll`` reads

@@ -32,9 +32,10 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     reads the status frames by position and ignores a trailing one; or, on Mooncake up to
     0.5.19, whose decode loop unpacks exactly three frames, the fourth frame the
     ``-ext`` peers already exchange (F6/F9's pool-sizes registration frame says which
-    decode takes it; ``mooncake_peers``). NIXL also needs
-    its decode to learn Success from that message alone (0.5.23: up to 0.5.22 it
-    concludes Success from NIXL notifications too).
+    decode takes it; ``mooncake_peers``). A NIXL decode that learns Success from that
+    message alone (0.5.23) takes it there; one that concludes from NIXL notifications
+    takes it from the room's aux notification, which the plugin's F4 classes
+    (0.5.10.post1-0.5.12.x) fill and check (``nixl_verify``); 0.5.13-0.5.22 not yet.
     """
     out = {}
     if not policy.supported:
@@ -54,9 +55,12 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
             out[ext] = (f"MoRI on SGLang {policy.version} concludes rooms neither through SGLang's common "
                         "status codec (0.5.20+) nor through its own status message with a transfer-worker "
                         "queue (0.5.13-0.5.19; F3's own wire format on 0.5.12.x)")
-        elif base == "nixl" and not releases.features().nixl_success_via_listener_only:
+        elif base == "nixl" and not (releases.features().nixl_success_via_listener_only or policy.is_live("F4")):
+            # The F4 classes (0.5.10.post1-0.5.12.x) carry the digest on the aux notification
+            # and check it where their decode concludes from notifications (nixl_verify).
             out[ext] = (f"a NIXL decode on SGLang {policy.version} also concludes Success from NIXL "
-                        "notifications, where no digest travels (0.5.23+ only)")
+                        "notifications, and the plugin carries a digest there only with its F4 classes "
+                        "(0.5.10.post1-0.5.12.x; 0.5.23 through the status message)")
         else:
             out[ext] = ""
     return out

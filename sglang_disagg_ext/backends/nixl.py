@@ -976,15 +976,37 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         from sglang_disagg_ext.backends.nixl_swa_tp import NixlSwaTpKVManager
 
         return {"NixlKVManager": NixlSwaTpKVManager}
-    return {"NixlKVManager": NixlExtKVManager, "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
+    return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
+            "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
 
 
-def _with_verification(cls: type, policy: ReleasePolicy) -> type:
+class _F4StatePlacement:
+    """Verified transfers over the F4 classes: where decode's registration lists no state item
+    lengths (0.5.10.post1) and the TP sizes differ, decode's are derived as F4's head slices
+    place SWA state (``_ext_post_head_slice``: a decode page holds its rank's heads at
+    prefill's bytes per head), so a sliced state page is digested at decode's page size."""
+
+    def _verify_dst_state_lens(self, info) -> List[List[int]]:
+        lens = super()._verify_dst_state_lens(info)
+        decode_tp = int(getattr(info, "decode_tp_size", 0) or 0)
+        if lens or not decode_tp or decode_tp == self.attn_tp_size:
+            return lens
+        layout = self._ext_layout(self.attn_tp_size, decode_tp)
+        own = self.kv_args.state_item_lens or []
+        per_component = [list(v) for v in own] if own and isinstance(own[0], (list, tuple)) else [list(own)]
+        return [[int(n) * layout.decode_heads_per_rank // layout.prefill_heads_per_rank for n in ns]
+                for ns in per_component if ns]
+
+
+def _with_verification(cls: type, policy: ReleasePolicy, placement: Optional[type] = None) -> type:
     from sglang_disagg_ext import verification
 
     def mixin() -> type:
         from sglang_disagg_ext.backends.nixl_verify import NixlVerifiedTransferMixin
 
-        return NixlVerifiedTransferMixin
+        if placement is None:
+            return NixlVerifiedTransferMixin
+        return type(f"{placement.__name__.lstrip('_')}VerifiedTransferMixin", (placement, NixlVerifiedTransferMixin),
+                    {"__module__": __name__, "__doc__": NixlVerifiedTransferMixin.__doc__})
 
     return verification.with_verification(cls, "nixl-ext", policy, mixin, logger)

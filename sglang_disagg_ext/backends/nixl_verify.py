@@ -13,9 +13,21 @@ agent to :meth:`.VerifiedTransferMixin._verify_add_blocks`, before the transfer
 exists and so before the engine reads a byte. Everything else (placement, partials,
 the status frame, decode's check) is :mod:`.transfer_verify`'s.
 
-Only where a NIXL decode learns Success from prefill's ``KV_STATUS`` message alone
-(0.5.23, probe ``nixl_success_via_listener_only``): up to 0.5.22 the decode also
-concludes Success from NIXL notifications, where no digest travels.
+How the digest travels depends on how the decode learns a room's Success:
+
+* from prefill's ``KV_STATUS`` message alone (0.5.23, probe
+  ``nixl_success_via_listener_only``): a trailing status frame, as for Mooncake;
+* from NIXL notifications (0.5.10.post1-0.5.12.x, the F4 classes): on the room's aux
+  notification. Prefill writes the aux row last in a room's last chunk (after its KV and
+  state), so when that transfer is created every block of the room for that decode has
+  been digested; the frame rides on the notification as one more ``_``-field
+  (``_SDXV<rank>.<base64>``, ASCII without ``_``). Stock decodes of those releases split
+  the tag on ``_`` and read at most the fields before it (``<room>_aux`` 2 fields,
+  ``<room>_aux_nokv_<S>`` 4), so a stock decode is unaffected. The ``-ext`` decode takes
+  the field off as the notifications arrive (before F4's quorum reads them) and checks the
+  room in ``check_transfer_done`` when stock would conclude it, before it does. NIXL
+  delivers a notification after its transfer's bytes landed, and the room is done only
+  when every transfer's notification arrived. Prefill is not told of a mismatch here.
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
@@ -26,15 +38,21 @@ whole pages.
 
 from __future__ import annotations
 
+import base64
 import threading
-from collections import OrderedDict
-from typing import Callable, Optional
+from collections import OrderedDict, deque
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from sglang_disagg_ext import releases
 from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
+from sglang_disagg_ext.core import digest as dg
 
 _DLIST_MEMORY = 256  # descriptor lists remembered between get_xfer_descs and their use
+# The digest field of an aux notification: b"_" + NOTIF_DIGEST + b"<prefill rank>." + base64(frame).
+NOTIF_DIGEST = b"SDXV"
+_CHECKED_MEMORY = 4096  # decode rooms already checked (check_transfer_done may be asked again)
 
 
 def descriptor_blocks(descs) -> Optional[np.ndarray]:
@@ -64,6 +82,43 @@ def descriptor_blocks(descs) -> Optional[np.ndarray]:
 
 
 WriteSink = Callable[[str, Optional[np.ndarray], Optional[str]], None]
+NotifSink = Callable[[str, bytes], bytes]
+
+
+def aux_notif_room(tag) -> Optional[int]:
+    """The room of a stock aux notification tag (``<room>_aux`` or ``<room>_aux_nokv_<S>``), else None."""
+    if isinstance(tag, str):
+        tag = tag.encode("ascii", "replace")
+    if not isinstance(tag, (bytes, bytearray)):
+        return None
+    fields = bytes(tag).split(b"_")
+    if len(fields) >= 2 and fields[1] == b"aux" and fields[0].isdigit():
+        return int(fields[0])
+    return None
+
+
+def with_digest(tag, rank: int, frame: bytes):
+    """``tag`` (str or bytes, same type back) with the digest field appended."""
+    field = b"_" + NOTIF_DIGEST + str(int(rank)).encode("ascii") + b"." + base64.b64encode(frame)
+    if isinstance(tag, str):
+        return tag + field.decode("ascii")
+    return bytes(tag) + field
+
+
+def split_digest(msg: bytes):
+    """``(tag, rank, frame)`` of a notification with a digest field, ``(msg, None, None)`` without
+    one; a field that cannot be read gives ``(tag, None, None)`` (the tag is stock's either way)."""
+    i = msg.find(b"_" + NOTIF_DIGEST)
+    if i < 0:
+        return msg, None, None
+    tag, field = msg[:i], msg[i + 1 + len(NOTIF_DIGEST):]
+    rank, dot, payload = field.partition(b".")
+    try:
+        if not dot or not rank.isdigit():
+            raise ValueError("no rank")
+        return tag, int(rank), base64.b64decode(payload, validate=True)
+    except ValueError:
+        return tag, None, None
 
 
 class RecordingAgent:
@@ -73,9 +128,14 @@ class RecordingAgent:
 
     _verify_wrapped = True
 
-    def __init__(self, agent, on_write: WriteSink):
+    def __init__(self, agent, on_write: WriteSink, on_notif: Optional[NotifSink] = None,
+                 on_notifs: Optional[Callable[[dict], dict]] = None):
         self._agent = agent
         self._on_write = on_write
+        # Prefill: (peer, notification tag) -> the tag to send (the digest appended).
+        self._on_notif = on_notif
+        # Decode: NIXL's new notifications -> the ones stock reads (digest fields taken off).
+        self._on_notifs = on_notifs
         self._lock = threading.Lock()
         self._dlists: "OrderedDict[int, tuple]" = OrderedDict()  # id -> (dlist, blocks)
         self._prepped = {}  # id(handle) -> (handle, peer, blocks)
@@ -122,13 +182,32 @@ class RecordingAgent:
                 self._on_write(remote[1], None, "a prepared local list the verifier did not see")
             else:
                 self._report(remote[1], local[2], remote[2], local_indices, remote_indices)
+                args, kwargs = self._with_notif(remote[1], args, kwargs)
         return self._agent.make_prepped_xfer(operation, local_xfer_side, local_indices, remote_xfer_side,
                                              remote_indices, *args, **kwargs)
 
     def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs):
         if operation == "WRITE":
             self._report(remote_agent, self._blocks_of(local_descs), self._blocks_of(remote_descs), None, None)
+            args, kwargs = self._with_notif(remote_agent, args, kwargs)
         return self._agent.initialize_xfer(operation, local_descs, remote_descs, remote_agent, *args, **kwargs)
+
+    def _with_notif(self, peer: str, args: tuple, kwargs: dict):
+        """The transfer's notification (``notif_msg``: first extra argument or keyword) as
+        ``on_notif`` rewrites it; after ``_report``, so the transfer's own blocks are in."""
+        if self._on_notif is None:
+            return args, kwargs
+        if "notif_msg" in kwargs:
+            kwargs = dict(kwargs, notif_msg=self._on_notif(peer, kwargs["notif_msg"]))
+        elif args:
+            args = (self._on_notif(peer, args[0]),) + tuple(args[1:])
+        return args, kwargs
+
+    def get_new_notifs(self, *args, **kwargs):
+        notifs = self._agent.get_new_notifs(*args, **kwargs)
+        if self._on_notifs is None or not notifs:
+            return notifs
+        return self._on_notifs(notifs)
 
     def _report(self, peer, src, dst, src_index, dst_index) -> None:
         if src is None or dst is None:
@@ -147,11 +226,132 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
     """NIXL's entry: the blocks of each WRITE transfer the manager creates (see the module)."""
 
     agent = recorded_attribute(
-        "_verify_nixl_agent", lambda self, agent: RecordingAgent(agent, self._verify_nixl_write),
+        "_verify_nixl_agent", lambda self, agent: RecordingAgent(
+            agent, self._verify_nixl_write,
+            self._verify_notif_digest if self._verify_via_notifs() else None,
+            self._verify_take_notif_digests if self._verify_via_notifs() else None),
         """The manager's NIXL agent; with verification on, wrapped in :class:`RecordingAgent`.
 
         Contract: SGLang's constructor assigns ``self.agent`` once (both sides) and every
-        thread uses it afterwards; the wrapper changes no argument or result.""")
+        thread uses it afterwards; the wrapper changes no argument or result, except, where
+        the decode concludes from notifications, an aux notification's digest field (added
+        on prefill, taken off on decode before stock or F4's quorum read it).""")
+
+    def _verify_via_notifs(self) -> bool:
+        """Whether the digest rides on the aux notification (see the module): a decode that
+        also concludes Success from NIXL notifications."""
+        cached = self.__dict__.get("_verify_notifs_path")
+        if cached is None:
+            cached = self.__dict__["_verify_notifs_path"] = not releases.features().nixl_success_via_listener_only
+        return cached
+
+    # -- prefill, notification path ------------------------------------------------
+    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
+        """Stock request with the room noted for the digest of the writes it creates.
+
+        Contract: prefill scheduler thread, per chunk (``NixlKVSender.send``). Up to 0.5.11
+        stock posts the room's transfers here, on this thread; on 0.5.12.x it only
+        enqueues them (the transfer worker's queue notes the room there). Result and
+        exceptions are the wrapped method's.
+        """
+        if not self._verify_on:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        previous = getattr(self._verify_tls, "room", None)
+        self._verify_tls.room = bootstrap_room
+        try:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        finally:
+            self._verify_tls.room = previous
+
+    def _verify_notif_digest(self, peer: str, tag):
+        """Prefill, as a WRITE transfer to ``peer`` is created with notification ``tag``: for
+        a room's aux notification, the tag with that room's digest for ``peer`` appended.
+        Must never raise (the transfer would not be created): on any error the tag goes as is
+        and the room is unverified on decode."""
+        if self.disaggregation_mode.name != "PREFILL":
+            return tag
+        try:
+            room = aux_notif_room(tag)
+            if room is None:
+                return tag
+            with self._verify_lock:
+                partial = self._verify_partials.pop((room, peer), None)
+            if partial is None:
+                return tag
+            if partial.unplaced is not None:
+                logger.warning("room %s: not verifiable for decode %s (%s); no digest sent", room, peer,
+                               partial.unplaced)
+                return tag
+            frame = dg.encode_frame(partial.digests, partial.pages)
+            return with_digest(tag, int(getattr(self.kv_args, "engine_rank", 0) or 0), frame)
+        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+            logger.exception("verified transfers: could not add the digest to a NIXL notification")
+            return tag
+
+    def record_failure(self, bootstrap_room, failure_reason):
+        """Stock record; the room's digests are dropped (prefill: no aux notification will
+        carry them; decode: the room will not be checked).
+
+        Contract: as the wrapped ``record_failure`` (any thread, both sides, never raises)."""
+        super().record_failure(bootstrap_room, failure_reason)
+        if self._verify_on:
+            with self._verify_lock:
+                for key in [k for k in self._verify_partials if k[0] == bootstrap_room]:
+                    del self._verify_partials[key]
+                self._verify_frames.pop(bootstrap_room, None)
+
+    # -- decode, notification path --------------------------------------------------
+    def _verify_take_notif_digests(self, notifs: dict) -> dict:
+        """Decode (scheduler thread, each receiver poll): NIXL's new notifications with every
+        digest field taken off, each frame kept for its room and prefill rank. Never raises."""
+        if self.disaggregation_mode.name != "DECODE":
+            return notifs
+        out: Dict[str, List[bytes]] = {}
+        for peer, messages in notifs.items():
+            kept = out[peer] = []
+            for msg in messages:
+                try:
+                    tag, rank, frame = split_digest(bytes(msg))
+                    if frame is not None:
+                        room = aux_notif_room(tag)
+                        if room is not None:
+                            self._verify_keep_frame(room, rank, frame)
+                    kept.append(tag)
+                except Exception:  # noqa: BLE001 - the notification reaches stock as it came
+                    logger.exception("verified transfers: unreadable digest field in a NIXL notification")
+                    kept.append(msg)
+        return out
+
+    def check_transfer_done(self, room: int):
+        """Stock's answer; where it is "done" and not failed, the room is verified first.
+
+        Contract: decode scheduler thread, from ``NixlKVReceiver.poll`` right after
+        ``update_transfer_status`` (every aux and KV notification of the room arrived, so
+        its bytes landed); on True stock concludes the room, Failed if its
+        ``TransferStatus.is_failed()``. A digest mismatch records the reason and marks that
+        status failed, so stock concludes Failed. Must not raise.
+        """
+        done = super().check_transfer_done(room)
+        if not (done and self._verify_on and self._verify_via_notifs()):
+            return done
+        if self.disaggregation_mode.name != "DECODE":
+            return done
+        try:
+            status = self.transfer_statuses.get(room)
+            checked = self.__dict__.setdefault("_verify_checked", deque(maxlen=_CHECKED_MEMORY))
+            if status is None or status.is_failed() or room in checked:
+                return done
+            checked.append(room)
+            with self._verify_lock:
+                frames = self._verify_frames.pop(room, None)
+            reason = self._verify_check(room, frames)
+            if reason is not None:
+                logger.error("room %s: %s", room, reason)
+                status.is_failure = True
+                self.record_failure(room, reason)
+        except Exception:  # noqa: BLE001 - the room concludes as stock says
+            logger.exception("verified transfers: check of room %s failed to run", room)
+        return done
 
     def _verify_nixl_write(self, peer: str, blocks: Optional[np.ndarray], why: Optional[str]) -> None:
         """One WRITE transfer about to be created (transfer worker thread, prefill). Must

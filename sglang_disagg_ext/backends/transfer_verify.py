@@ -280,7 +280,7 @@ class VerifiedTransferMixin:
         kv_ptrs, aux_ptrs, state_ptrs = self._verify_dst_pointers(info)
         add(dg.KV_COMPONENT, kv_ptrs, list(getattr(info, "dst_kv_item_lens", None) or []))
         add(dg.AUX_COMPONENT, aux_ptrs)
-        state_lens = state_lists(getattr(info, "dst_state_item_lens", None))
+        state_lens = self._verify_dst_state_lens(info)
         for i, ptrs in enumerate(state_ptrs):
             add(dg.STATE_COMPONENT_BASE + i, ptrs, state_lens[i] if i < len(state_lens) else ())
         table.sort(key=lambda b: b.start)
@@ -288,6 +288,11 @@ class VerifiedTransferMixin:
             a.end = b.start
         self._verify_dst[session] = (id(info), table, [b.start for b in table])
         return table, [b.start for b in table]
+
+    def _verify_dst_state_lens(self, info) -> List[List[int]]:
+        """Decode's state item lengths per component as its registration lists them (empty
+        where it lists none: each buffer then takes prefill's length)."""
+        return state_lists(getattr(info, "dst_state_item_lens", None))
 
     def _verify_dst_pointers(self, info) -> Tuple[List[int], List[int], List[List[int]]]:
         """Decode's registered buffer starts (KV, aux, state per component) in its

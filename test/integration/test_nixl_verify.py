@@ -7,8 +7,8 @@ rank's Success reaches decode's ``apply_prefill_status``, before SGLang (and ``-
 check inside ``update_status``) handles it. Stock and ``-ext`` get the same fault at the
 same point; ``-ext``'s prefill digest was taken when the transfer was created. The
 harness's decode ranks then check every destination byte themselves, independently of
-the digest. Both sides register host memory through the harness's shim
-(``harness/nixl_shim.py``), as the other NIXL tests on 0.5.22+ do.
+the digest. Stock (and -ext on 0.5.23) registers host memory through the harness's shim
+(``harness/nixl_shim.py``); the plugin's F4 classes register it themselves.
 
 * Without verification (stock ``nixl``, ``nixl-ext`` with the switch off) decode
   reports Success and the harness finds the wrong byte.
@@ -19,8 +19,11 @@ the digest. Both sides register host memory through the harness's shim
   chunking, every state kind at equal TP; paged state kinds across TP sizes), all
   Success, every byte checked by the harness, every room counted as verified.
 
-Verification of NIXL needs a decode that learns Success from prefill's status message
-alone (0.5.23); elsewhere the verified cases are skipped (``verification.available``).
+The digest travels in prefill's status message where the decode learns Success from it
+alone (0.5.23), on the room's aux notification where the plugin's F4 classes serve a
+decode that concludes from notifications (0.5.10.post1-0.5.12.x; the flip then happens
+when stock's ``check_transfer_done`` would conclude); elsewhere the tests are skipped
+(``verification.available``).
 ``SGLANG_DISAGG_EXT_RANDOM_TRANSFERS`` (default 150) sets the random transfers per
 run at equal TP (a quarter of it per multi-rank shape).
 """
@@ -40,11 +43,13 @@ from support.verify_cases import (
     HEADS,
     assert_flip_failed_by_digest,
     assert_flip_unnoticed,
+    assert_stock_decode_served,
     counted_ok,
     flip_cases,
     landed_flip_env,
     one_request,
     random_scenario,
+    three_rooms,
 )
 
 POLICY = releases.current_policy()
@@ -52,16 +57,28 @@ WHY_NOT = verification.available(POLICY)["nixl-ext"]
 pytestmark = [
     pytest.mark.engine,
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),
-    # Also the stock half: the landed flip fires in apply_prefill_status, where such a decode
-    # learns Success; older NIXL decodes conclude Success from notifications instead.
+    # Also the stock half: the landed-flip hook fires where each release's decode concludes.
     pytest.mark.skipif(bool(WHY_NOT), reason=f"verified NIXL transfers not available here: {WHY_NOT}"),
 ]
 
 VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
 
 
-def _flip_env(component: str, buffer: int, page: int, prefill_tp: int = 1) -> dict:
-    return {nixl_shim.ENV: "1", **landed_flip_env(component, buffer, page, prefill_tp)}
+# Host memory: the plugin's F4 classes (0.5.10.post1-0.5.12.x) register the harness's CPU pools
+# as host memory themselves; stock, and -ext where it composes over stock's manager (0.5.23),
+# get the harness's shim (harness/nixl_shim.py).
+EXT_NEEDS_SHIM = not POLICY.is_live("F4")
+# Where the decode concludes from prefill's status message (0.5.23), prefill's bootstrap loop
+# takes decode's mismatch notices; where it concludes from NIXL notifications, prefill is not told.
+PREFILL_TOLD = releases.features().nixl_success_via_listener_only
+
+
+def _shim_env(backend: str) -> dict:
+    return {nixl_shim.ENV: "1"} if EXT_NEEDS_SHIM or not backend.endswith("-ext") else {}
+
+
+def _flip_env(backend: str, component: str, buffer: int, page: int, prefill_tp: int = 1) -> dict:
+    return {**_shim_env(backend), **landed_flip_env(component, buffer, page, prefill_tp)}
 
 
 CASES = {
@@ -79,21 +96,37 @@ CASES = {
 @pytest.mark.parametrize("backend", ["nixl", "nixl-ext"])
 def test_landed_flip_goes_unnoticed_without_verification(backend):
     build, component, buffer, page, _ = CASES["kv"]
-    assert_flip_unnoticed(run_scenario(build(), backend, extra_env=_flip_env(component, buffer, page)), buffer, page)
+    assert_flip_unnoticed(run_scenario(build(), backend, extra_env=_flip_env(backend, component, buffer, page)),
+                          buffer, page)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", list(CASES))
 def test_landed_flip_fails_the_room_with_verification(case):
+    if case == "dsv4" and NO_DSV4:
+        pytest.skip(f"n/a: stock NIXL on SGLang {POLICY.version} serves no DSv4 state (nixl_refuses_dsv4_state)")
     build, component, buffer, page, ranks = CASES[case]
     scn = build()
-    result = run_scenario(scn, "nixl-ext", extra_env={**VERIFY, **_flip_env(component, buffer, page, scn.prefill_tp)})
-    # NIXL 0.5.23's prefill bootstrap loop takes decode's notices: each prefill rank is told.
-    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True)
+    result = run_scenario(scn, "nixl-ext",
+                          extra_env={**VERIFY, **_flip_env("nixl-ext", component, buffer, page, scn.prefill_tp)})
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=PREFILL_TOLD)
 
 
-KINDS = ("swa", "nsa", "dsv4", "mamba")
-MULTI_RANK_KINDS = ("swa", "dsv4")  # the harness's multi-rank pools: paged state (NSA: see below)
+# Stock NIXL up to 0.5.12.x serves mamba, swa and nsa state only (a DSv4 component fails the room).
+NO_DSV4 = releases.features().nixl_refuses_dsv4_state
+KINDS = tuple(k for k in ("swa", "nsa", "dsv4", "mamba") if not (NO_DSV4 and k == "dsv4"))
+# The harness's multi-rank pools: paged state (NSA: see below).
+MULTI_RANK_KINDS = tuple(k for k in ("swa", "dsv4") if not (NO_DSV4 and k == "dsv4"))
+# The flat layout (0.5.10.post1, 0.5.11) has one state component: a kind per page size.
+FLAT = POLICY.layout is releases.StateLayout.FLAT
+FLAT_KINDS = {1: ("swa",), 4: ("nsa",)}
+# Up to 0.5.12.x (where the F4 classes serve) stock NIXL takes no empty page list: a transfer with
+# no decode KV pages and no decode prefix is a CP rank's dummy (TransferInfo.is_dummy: prefill
+# sends nothing, the room never concludes on decode), and an empty SWA/NSA state list fails the
+# room (IndexError at equal TP sizes, stock's TP error across them), stock and -ext alike. SGLang
+# never asks for either (a request with KV pages has window / index-key pages; a full decode-side
+# cache hit carries its prefix length), so there the random requests list at least one page each.
+MIN_PAGES = 1 if POLICY.is_live("F4") else 0
 
 
 @pytest.mark.timeout(400)
@@ -113,11 +146,24 @@ def test_no_false_alarm_over_random_transfers(shape):
     n = n if equal else max(8, n // 4)
     page_size = 4 if shape == "tp1 page4" else 1
     scenario = random_scenario(random.Random(16 + 7 * p + d + page_size), n, page_size,
-                               KINDS if equal else MULTI_RANK_KINDS,
+                               (FLAT_KINDS[page_size] if FLAT else KINDS) if equal else MULTI_RANK_KINDS,
                                f"nixl verify: {n} random transfers, page size {page_size}, tp{p}->tp{d}",
-                               kv_heads=(HEADS, HEAD_DIM), state_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d)
-    result = run_scenario(scenario, "nixl-ext", extra_env={nixl_shim.ENV: "1", **VERIFY}, timeout_s=max(240, n * 0.8))
+                               kv_heads=(HEADS, HEAD_DIM), state_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d,
+                               min_pages=MIN_PAGES)
+    result = run_scenario(scenario, "nixl-ext", extra_env={**_shim_env("nixl-ext"), **VERIFY}, timeout_s=max(240, n * 0.8))
     assert result.ok, result.describe()
     assert len(result.requests) == n
     assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
     assert counted_ok(result) == [float(n)] * d, result.plugin_metrics
+
+
+@pytest.mark.timeout(180)
+def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
+    """A verifying ``nixl-ext`` prefill with a stock decode: three requests (KV, SWA state, aux),
+    every one Success with every byte right; nothing on decode counts a verified room. Where
+    the digest rides on the aux notification (0.5.10.post1-0.5.12.x), stock's parser meets the
+    extra field and must ignore it; on 0.5.23 it is a trailing status frame. Both sides get
+    the harness's host-memory shim here, which the stock decode needs on CPU pools."""
+    scn = three_rooms(one_request("nixl verifying prefill, stock decode", kind="swa"))
+    result = run_scenario(scn, "nixl-ext", decode_backend="nixl", extra_env={nixl_shim.ENV: "1", **VERIFY})
+    assert_stock_decode_served(result)

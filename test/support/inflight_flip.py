@@ -95,7 +95,9 @@ def flip_one_landed_byte(mgr) -> None:
     ``update_status``) handle the Success. The bytes landed right and were then
     changed before decode accepted them: what a bad DMA or a stray write would
     leave, and what prefill's digest (taken before the transfer existed) does not
-    match. Same fault for stock and ``-ext`` at the same point. CPU pools only."""
+    match. Same fault for stock and ``-ext`` at the same point. Where a NIXL decode concludes
+    from notifications (``check_transfer_done``), it flips there instead (see below). CPU
+    pools only."""
     component = os.environ.get("SGLANG_HARNESS_FLIP_COMPONENT", "kv")
     index = int(os.environ.get("SGLANG_HARNESS_FLIP_BUFFER", "0"))
     page = int(os.environ["SGLANG_HARNESS_FLIP_PAGE"])
@@ -144,3 +146,19 @@ def flip_one_landed_byte(mgr) -> None:
         return stock_update(*args, **kwargs)
 
     mgr.update_status = update_status
+
+    # Where the decode concludes a room from NIXL notifications (NIXL up to 0.5.22:
+    # NixlKVReceiver.poll asks check_transfer_done right after draining them), flip when
+    # stock's TransferStatus first says done and not failed: every notification of the room
+    # arrived, so all its bytes landed. -ext's check runs inside check_transfer_done, after.
+    stock_done = getattr(mgr, "check_transfer_done", None)
+    statuses = getattr(mgr, "transfer_statuses", None)
+    if stock_done is not None and isinstance(statuses, dict):
+        def check_transfer_done(room, *args, **kwargs):
+            status = statuses.get(room)
+            if status is not None and status.is_done() and not status.is_failed():
+                with lock:
+                    flip_once()
+            return stock_done(room, *args, **kwargs)
+
+        mgr.check_transfer_done = check_transfer_done

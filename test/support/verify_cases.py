@@ -16,16 +16,18 @@ KV_PAGES, STATE_PAGES = 24, 12
 
 
 def random_scenario(rng: random.Random, n: int, page_size: int, kinds: Sequence[str], name: str,
-                    kv_heads=(2, 16), state_heads=(1, 16), prefill_tp: int = 1, decode_tp: int = 1) -> Scenario:
-    """``n`` requests; ``kv_heads`` / ``state_heads``: (heads, head dim) of the KV and state pools.
+                    kv_heads=(2, 16), state_heads=(1, 16), prefill_tp: int = 1, decode_tp: int = 1,
+                    min_pages: int = 0) -> Scenario:
+    """``n`` requests of ``min_pages``-6 KV pages and ``min_pages``-4 pages of each paged state kind;
+    ``kv_heads`` / ``state_heads``: (heads, head dim) of the KV and state pools.
     SGLang's bounds are :data:`RANKS`': a no-false-alarm run ends on checks, never on a timeout
     (CI once saw a TP 2 -> 1 room on 0.5.11 take 8.1 s under load, past the 8 s default)."""
     requests = []
     for _ in range(n):
-        length = rng.randint(0, 6)
+        length = rng.randint(min_pages, 6)
         state = []
         for kind in kinds:
-            s_len = 1 if kind == "mamba" else rng.randint(0, 4)  # mamba: one slot to one slot
+            s_len = 1 if kind == "mamba" else rng.randint(min_pages, 4)  # mamba: one slot to one slot
             state.append(StateSpec(kind, rng.sample(range(STATE_PAGES), s_len), rng.sample(range(STATE_PAGES), s_len)))
         requests.append(RequestSpec(
             rng.sample(range(KV_PAGES), length), rng.sample(range(KV_PAGES), length),
@@ -45,7 +47,9 @@ def random_scenario(rng: random.Random, n: int, page_size: int, kinds: Sequence[
 
 
 HEADS, HEAD_DIM = 4, 8  # 4 heads: TP 1 -> 4 leaves one per decode rank
-SHORT = Timeouts(request_s=20, sglang_waiting_s=6, sglang_bootstrap_s=6)
+# Flip and stock-decode cases end on checks (Success, or Failed by the digest), never on a
+# timeout: SGLang's bounds only end a room that hangs, so they need not be short.
+SHORT = Timeouts(request_s=40, sglang_waiting_s=20, sglang_bootstrap_s=20)
 # Several ranks a side start slower, more so beside another test (pytest -n 2): SGLang's own
 # bootstrap and waiting bounds longer there, or a slow start reads as a failed room.
 RANKS = Timeouts(request_s=60, sglang_waiting_s=20, sglang_bootstrap_s=20)

@@ -7,7 +7,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends.nixl_verify import RecordingAgent, descriptor_blocks  # noqa: E402
+from sglang_disagg_ext.backends.nixl_verify import (  # noqa: E402
+    RecordingAgent,
+    aux_notif_room,
+    descriptor_blocks,
+    split_digest,
+    with_digest,
+)
 
 
 @pytest.mark.timeout(10)
@@ -30,6 +36,7 @@ class _StandInAgent:
 
     def __init__(self):
         self.calls = []
+        self.notifs = []
 
     def get_xfer_descs(self, descs, mem_type=None):
         return object()
@@ -39,11 +46,16 @@ class _StandInAgent:
 
     def make_prepped_xfer(self, op, local, li, remote, ri, notif_msg=b""):
         self.calls.append(("make", op, list(li), list(ri)))
+        self.notifs.append(notif_msg)
         return "xfer"
 
     def initialize_xfer(self, op, local, remote, agent, notif_msg=b""):
         self.calls.append(("init", op, agent))
+        self.notifs.append(notif_msg)
         return "xfer"
+
+    def get_new_notifs(self):
+        return {"prefill-agent": [b"1000_kv_0_1_0", b"1000_aux_SDXV1.AAE=", b"1001_aux_nokv_0_SDXV0.AgM="]}
 
     def release_dlist_handle(self, handle):
         self.calls.append(("release",))
@@ -75,3 +87,40 @@ def test_recording_agent_reports_each_write_before_it_is_created():
     rec.make_prepped_xfer("WRITE", src, [0], dst, [0])
     assert reports[-1][:3] == ("", None, "a prepared remote list the verifier did not see")
     assert agent.calls[-1][0] == "make"
+
+
+@pytest.mark.timeout(10)
+def test_aux_notification_digest_field_by_hand():
+    """The field is ``_SDXV<rank>.<base64>``: frame bytes 00 01 are ``AAE=`` in base64."""
+    assert aux_notif_room(b"1000_aux") == 1000
+    assert aux_notif_room("1001_aux_nokv_3") == 1001
+    assert aux_notif_room(b"1000_kv_0_1_0") is None and aux_notif_room(b"x_aux") is None
+    assert with_digest(b"7_aux", 2, b"\x00\x01") == b"7_aux_SDXV2.AAE="
+    assert with_digest("7_aux_nokv_3", 0, b"\x00\x01") == "7_aux_nokv_3_SDXV0.AAE="
+    # What stock decodes read (0.5.11: split("_", 4); 0.5.12.x: split("_", 8)): the fields
+    # before it, unchanged (the nokv marker's rank is field 3).
+    assert "7_aux_SDXV2.AAE=".split("_", 4)[:2] == ["7", "aux"]
+    assert "7_aux_nokv_3_SDXV0.AAE=".split("_", 8)[2:4] == ["nokv", "3"]
+    assert split_digest(b"7_aux_SDXV2.AAE=") == (b"7_aux", 2, b"\x00\x01")
+    assert split_digest(b"7_aux_nokv_3") == (b"7_aux_nokv_3", None, None)
+    # Unreadable: the field is still taken off, no frame.
+    assert split_digest(b"7_aux_SDXVx.AAE=") == (b"7_aux", None, None)
+    assert split_digest(b"7_aux_SDXV1.A*E=") == (b"7_aux", None, None)
+
+
+@pytest.mark.timeout(10)
+def test_recording_agent_rewrites_notifications_through_its_hooks():
+    agent = _StandInAgent()
+    seen = []
+    rec = RecordingAgent(agent, lambda *a: None, on_notif=lambda peer, tag: seen.append((peer, tag)) or tag + b"!",
+                         on_notifs=lambda notifs: {p: [m.split(b"_SDXV")[0] for m in ms] for p, ms in notifs.items()})
+    d_src = rec.get_xfer_descs([(40, 16, 0)], "DRAM")
+    d_dst = rec.get_xfer_descs([(64, 16, 0)], "DRAM")
+    rec.initialize_xfer("WRITE", d_src, d_dst, "decode-9", b"5_aux")
+    src = rec.prep_xfer_dlist("", [(40, 16, 0)], "DRAM")
+    dst = rec.prep_xfer_dlist("decode-7", [(64, 16, 0)], "DRAM")
+    rec.make_prepped_xfer("WRITE", src, [0], dst, [0], notif_msg=b"6_kv_0_1_0")
+    rec.initialize_xfer("READ", d_src, d_dst, "decode-9", b"8_aux")  # not a write: as given
+    assert seen == [("decode-9", b"5_aux"), ("decode-7", b"6_kv_0_1_0")]
+    assert agent.notifs == [b"5_aux!", b"6_kv_0_1_0!", b"8_aux"]
+    assert rec.get_new_notifs() == {"prefill-agent": [b"1000_kv_0_1_0", b"1000_aux", b"1001_aux_nokv_0"]}
