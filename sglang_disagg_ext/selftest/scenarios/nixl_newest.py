@@ -64,6 +64,10 @@ from sglang_disagg_ext.selftest.scenarios.nixl import NixlScenario, builtin_scen
 
 # SGLang's own timeouts short: a stock room nobody concludes ends in 5 s.
 TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=5.0, sglang_bootstrap_s=5.0)
+# A scenario no run waits out (stock fails it with its own error, -ext serves it): long bounds
+# cost nothing there, and a loaded CI machine (0.5.23) once started a decode rank of the
+# TP 1 -> 4 run 5.1 s late, past TIMEOUTS, so -ext's served room timed out.
+CONCLUDED_TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=30.0, sglang_bootstrap_s=30.0)
 # -ext concludes refused rooms at once; well under SGLang's 5 s.
 FAILED_WITHIN_S = 2.5
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
@@ -87,7 +91,7 @@ def swa_unequal(p: int, d: int) -> Scenario:
         state_pools=[StatePoolSpec(kind="swa", num_pages=12, head_num=2, head_dim=HEAD_DIM)],
         prefill_tp=p,
         decode_tp=d,
-        timeouts=TIMEOUTS,
+        timeouts=CONCLUDED_TIMEOUTS,
     )
 
 
