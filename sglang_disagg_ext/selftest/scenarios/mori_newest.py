@@ -42,11 +42,11 @@ ROW_NAMES = ("mori-aux-order", "mori-aux-short-row", "mori-status-worker-fault",
 DELAY_MS = 30
 SHORT_BUFFER, SHORT_BY = 1, 4
 HOOKS = "aux_wire.py"
-TIMEOUTS = Timeouts(request_s=30.0, startup_s=150.0, sglang_waiting_s=4.0, sglang_bootstrap_s=4.0)
-# The short row ends on a check, never on a timeout (stock: Success; -ext: Failed at once):
-# SGLang's bounds are loose so that a loaded machine cannot decide it (CI once saw decode's
-# first request start 2.1 s late and prefill's 4 s bootstrap bound end it).
-SHORT_ROW_TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=15.0, sglang_bootstrap_s=15.0)
+# The short row and the aux-order race end on checks, never on a timeout (short row: stock
+# Success, -ext Failed at once; race: both sides serve every request): SGLang's bounds are
+# loose so that a loaded machine cannot decide them (CI once saw decode's first request start
+# 2.1 s late and prefill's 4 s bootstrap bound end it).
+CONCLUDED_TIMEOUTS = Timeouts(request_s=40.0, startup_s=150.0, sglang_waiting_s=15.0, sglang_bootstrap_s=15.0)
 
 
 def hook_file() -> Optional[str]:
@@ -74,7 +74,7 @@ def aux_order(n: int = RACE_REQUESTS) -> Scenario:
         kv=KVPoolSpec(num_pages=4),
         aux_rows=n,
         requests=[RequestSpec(src_kv_pages=[1], dst_kv_pages=[2], aux_index=i % 8, dst_aux_index=i) for i in range(n)],
-        timeouts=TIMEOUTS,
+        timeouts=CONCLUDED_TIMEOUTS,
     )
 
 
@@ -83,7 +83,7 @@ def short_row() -> Scenario:
         name="mori-aux-short-row",
         kv=KVPoolSpec(num_pages=4),
         requests=[RequestSpec(src_kv_pages=[1], dst_kv_pages=[2], aux_index=1, dst_aux_index=5)],
-        timeouts=SHORT_ROW_TIMEOUTS,
+        timeouts=CONCLUDED_TIMEOUTS,
     )
 
 
