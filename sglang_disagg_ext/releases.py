@@ -618,6 +618,24 @@ class SGLangFeatures:
         return "dsv4" not in _stock_disaggregation_source("nixl/conn.py").lower()
 
     @functools.cached_property
+    def nixl_empty_transfer_is_dummy(self) -> bool:
+        """Whether stock NIXL's ``TransferInfo.is_dummy`` takes a transfer with no decode KV
+        pages (and no decode prefix) for a CP rank's dummy, so prefill sends nothing for it
+        (0.5.11 nixl/conn.py:50-56, 0.5.16 :160-167); 0.5.23 has no such rule."""
+        return "def is_dummy(" in _stock_disaggregation_source("nixl/conn.py")
+
+    @functools.cached_property
+    def nixl_success_via_notifications_only(self) -> bool:
+        """Whether a NIXL decode learns a room's Success only from NIXL notifications:
+        ``NixlKVReceiver.poll`` concludes through ``check_transfer_done`` and the manager has
+        no status message that could carry Success (no ``send_kv_status_message``: SGLang's
+        common status codec is 0.5.20+). Up to 0.5.19; 0.5.20-0.5.22 conclude from either,
+        0.5.23 from the message only (:attr:`nixl_success_via_listener_only`)."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+        return not self.nixl_success_via_listener_only and not hasattr(NixlKVManager, "send_kv_status_message")
+
+    @functools.cached_property
     def nixl_success_via_listener_only(self) -> bool:
         """Whether a NIXL decode learns a room's Success only from prefill's ``KV_STATUS``
         message on its listener thread (0.5.23: ``NixlKVReceiver.poll`` reads

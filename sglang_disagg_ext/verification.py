@@ -34,8 +34,8 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     ``-ext`` peers already exchange (F6/F9's pool-sizes registration frame says which
     decode takes it; ``mooncake_peers``). A NIXL decode that learns Success from that
     message alone (0.5.23) takes it there; one that concludes from NIXL notifications
-    takes it from the room's aux notification, which the plugin's F4 classes
-    (0.5.10.post1-0.5.12.x) fill and check (``nixl_verify``); 0.5.13-0.5.22 not yet.
+    takes it from the room's aux notification where it concludes from notifications alone
+    (up to 0.5.19: ``nixl_verify``); not 0.5.20-0.5.22, which conclude from either.
     """
     out = {}
     if not policy.supported:
@@ -55,12 +55,13 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
             out[ext] = (f"MoRI on SGLang {policy.version} concludes rooms neither through SGLang's common "
                         "status codec (0.5.20+) nor through its own status message with a transfer-worker "
                         "queue (0.5.13-0.5.19; F3's own wire format on 0.5.12.x)")
-        elif base == "nixl" and not (releases.features().nixl_success_via_listener_only or policy.is_live("F4")):
-            # The F4 classes (0.5.10.post1-0.5.12.x) carry the digest on the aux notification
-            # and check it where their decode concludes from notifications (nixl_verify).
-            out[ext] = (f"a NIXL decode on SGLang {policy.version} also concludes Success from NIXL "
-                        "notifications, and the plugin carries a digest there only with its F4 classes "
-                        "(0.5.10.post1-0.5.12.x; 0.5.23 through the status message)")
+        elif base == "nixl" and not (releases.features().nixl_success_via_listener_only
+                                     or releases.features().nixl_success_via_notifications_only):
+            # One way in, one digest: the status message (0.5.23) or the aux notification
+            # (up to 0.5.19, nixl_verify). 0.5.20-0.5.22 conclude from either.
+            out[ext] = (f"a NIXL decode on SGLang {policy.version} concludes Success both from prefill's "
+                        "status message and from NIXL notifications (0.5.20-0.5.22); the plugin carries the "
+                        "digest on one path only (the message from 0.5.23, the aux notification up to 0.5.19)")
         else:
             out[ext] = ""
     return out

@@ -975,7 +975,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl_swa_tp import NixlSwaTpKVManager
 
-        return {"NixlKVManager": NixlSwaTpKVManager}
+        return {"NixlKVManager": _with_verification(NixlSwaTpKVManager, policy)}
     return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
             "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
 

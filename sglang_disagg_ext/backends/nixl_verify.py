@@ -17,17 +17,22 @@ How the digest travels depends on how the decode learns a room's Success:
 
 * from prefill's ``KV_STATUS`` message alone (0.5.23, probe
   ``nixl_success_via_listener_only``): a trailing status frame, as for Mooncake;
-* from NIXL notifications (0.5.10.post1-0.5.12.x, the F4 classes): on the room's aux
-  notification. Prefill writes the aux row last in a room's last chunk (after its KV and
+* from NIXL notifications alone (up to 0.5.19, probe ``nixl_success_via_notifications_only``:
+  the F4 classes on 0.5.10.post1-0.5.12.x, F13's over stock's manager on 0.5.13-0.5.19): on
+  the room's aux notification. Prefill writes the aux row last in a room's last chunk (after its KV and
   state), so when that transfer is created every block of the room for that decode has
   been digested; the frame rides on the notification as one more ``_``-field
   (``_SDXV<rank>.<base64>``, ASCII without ``_``). Stock decodes of those releases split
   the tag on ``_`` and read at most the fields before it (``<room>_aux`` 2 fields,
   ``<room>_aux_nokv_<S>`` 4), so a stock decode is unaffected. The ``-ext`` decode takes
   the field off as the notifications arrive (before F4's quorum reads them) and checks the
-  room in ``check_transfer_done`` when stock would conclude it, before it does. NIXL
+  room in ``check_transfer_done`` when stock would conclude it, before it does; a mismatch
+  moves the room to Failed, which the next poll reads. NIXL
   delivers a notification after its transfer's bytes landed, and the room is done only
   when every transfer's notification arrived. Prefill is not told of a mismatch here.
+
+0.5.20-0.5.22 conclude from either (the common status codec's message or notifications):
+not verified there (``verification.available``).
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
@@ -40,10 +45,12 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
@@ -53,6 +60,7 @@ _DLIST_MEMORY = 256  # descriptor lists remembered between get_xfer_descs and th
 # The digest field of an aux notification: b"_" + NOTIF_DIGEST + b"<prefill rank>." + base64(frame).
 NOTIF_DIGEST = b"SDXV"
 _CHECKED_MEMORY = 4096  # decode rooms already checked (check_transfer_done may be asked again)
+NOTIF_FRAME_GRACE_S = 1.0  # how long a concluded room waits for the other prefill ranks' digests
 
 
 def descriptor_blocks(descs) -> Optional[np.ndarray]:
@@ -242,7 +250,7 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
         also concludes Success from NIXL notifications."""
         cached = self.__dict__.get("_verify_notifs_path")
         if cached is None:
-            cached = self.__dict__["_verify_notifs_path"] = not releases.features().nixl_success_via_listener_only
+            cached = self.__dict__["_verify_notifs_path"] = releases.features().nixl_success_via_notifications_only
         return cached
 
     # -- prefill, notification path ------------------------------------------------
@@ -299,8 +307,31 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
                 for key in [k for k in self._verify_partials if k[0] == bootstrap_room]:
                     del self._verify_partials[key]
                 self._verify_frames.pop(bootstrap_room, None)
+            self.__dict__.get("_verify_frame_wait", {}).pop(bootstrap_room, None)
 
     # -- decode, notification path --------------------------------------------------
+    def _verify_await_frames(self, room: int) -> bool:
+        """Whether to hold a room stock would conclude until every prefill rank's digest came.
+
+        Stock counts one aux notification per room however many prefill ranks write the aux
+        row (0.5.13-0.5.19: ``received_aux``), so across TP sizes it may conclude on the first
+        rank's; the others' (with their digests) follow within moments. A room for which at
+        least one digest arrived waits for the rest up to ``NOTIF_FRAME_GRACE_S``, then is
+        checked with what came (fewer frames than ranks: unverified, never a false alarm). A
+        room with no digest at all (a stock prefill) is not held."""
+        expected = int(self.required_prefill_response_num_table.get(room, 1) or 1)
+        with self._verify_lock:
+            have = len(self._verify_frames.get(room, {}))
+        waiting = self.__dict__.setdefault("_verify_frame_wait", {})
+        if have == 0 or have >= expected:
+            waiting.pop(room, None)
+            return False
+        first = waiting.setdefault(room, time.monotonic())
+        if time.monotonic() - first < NOTIF_FRAME_GRACE_S:
+            return True
+        waiting.pop(room, None)
+        return False
+
     def _verify_take_notif_digests(self, notifs: dict) -> dict:
         """Decode (scheduler thread, each receiver poll): NIXL's new notifications with every
         digest field taken off, each frame kept for its room and prefill rank. Never raises."""
@@ -323,13 +354,15 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
         return out
 
     def check_transfer_done(self, room: int):
-        """Stock's answer; where it is "done" and not failed, the room is verified first.
+        """Stock's answer; where it is "done", the room is verified first.
 
         Contract: decode scheduler thread, from ``NixlKVReceiver.poll`` right after
         ``update_transfer_status`` (every aux and KV notification of the room arrived, so
-        its bytes landed); on True stock concludes the room, Failed if its
-        ``TransferStatus.is_failed()``. A digest mismatch records the reason and marks that
-        status failed, so stock concludes Failed. Must not raise.
+        its bytes landed), after ``poll`` read ``check_status``; on True stock concludes
+        the room (Success, or Failed where its ``TransferStatus`` says so). A digest
+        mismatch records the reason, moves the room to Failed and answers "not done": the
+        next ``poll`` reads Failed from ``check_status``, as for any recorded failure.
+        Must not raise.
         """
         done = super().check_transfer_done(room)
         if not (done and self._verify_on and self._verify_via_notifs()):
@@ -339,16 +372,19 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
         try:
             status = self.transfer_statuses.get(room)
             checked = self.__dict__.setdefault("_verify_checked", deque(maxlen=_CHECKED_MEMORY))
-            if status is None or status.is_failed() or room in checked:
+            if status is None or bool(getattr(status, "is_failure", False)) or room in checked:
                 return done
+            if self._verify_await_frames(room):
+                return False
             checked.append(room)
             with self._verify_lock:
                 frames = self._verify_frames.pop(room, None)
             reason = self._verify_check(room, frames)
             if reason is not None:
                 logger.error("room %s: %s", room, reason)
-                status.is_failure = True
                 self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
+                return False
         except Exception:  # noqa: BLE001 - the room concludes as stock says
             logger.exception("verified transfers: check of room %s failed to run", room)
         return done

@@ -120,13 +120,13 @@ MULTI_RANK_KINDS = tuple(k for k in ("swa", "dsv4") if not (NO_DSV4 and k == "ds
 # The flat layout (0.5.10.post1, 0.5.11) has one state component: a kind per page size.
 FLAT = POLICY.layout is releases.StateLayout.FLAT
 FLAT_KINDS = {1: ("swa",), 4: ("nsa",)}
-# Up to 0.5.12.x (where the F4 classes serve) stock NIXL takes no empty page list: a transfer with
-# no decode KV pages and no decode prefix is a CP rank's dummy (TransferInfo.is_dummy: prefill
-# sends nothing, the room never concludes on decode), and an empty SWA/NSA state list fails the
-# room (IndexError at equal TP sizes, stock's TP error across them), stock and -ext alike. SGLang
-# never asks for either (a request with KV pages has window / index-key pages; a full decode-side
-# cache hit carries its prefix length), so there the random requests list at least one page each.
-MIN_PAGES = 1 if POLICY.is_live("F4") else 0
+# Where stock NIXL's TransferInfo.is_dummy takes a transfer with no decode KV pages and no decode
+# prefix for a CP rank's dummy (up to 0.5.22: prefill sends nothing, the room never concludes on
+# decode), stock NIXL also fails a room whose SWA/NSA state list is empty (0.5.11: IndexError at
+# equal TP sizes, stock's TP error across them), stock and -ext alike. SGLang never asks for either
+# (a request with KV pages has window / index-key pages; a full decode-side cache hit carries its
+# prefix length), so there the random requests list at least one page each.
+MIN_PAGES = 1 if releases.features().nixl_empty_transfer_is_dummy else 0
 
 
 @pytest.mark.timeout(400)

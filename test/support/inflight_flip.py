@@ -156,7 +156,9 @@ def flip_one_landed_byte(mgr) -> None:
     if stock_done is not None and isinstance(statuses, dict):
         def check_transfer_done(room, *args, **kwargs):
             status = statuses.get(room)
-            if status is not None and status.is_done() and not status.is_failed():
+            # is_failure: up to 0.5.12.x (a prefill rank's failure notice); later releases fail
+            # a room through check_status, before poll asks this.
+            if status is not None and status.is_done() and not getattr(status, "is_failure", False):
                 with lock:
                     flip_once()
             return stock_done(room, *args, **kwargs)
