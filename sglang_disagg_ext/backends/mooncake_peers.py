@@ -216,13 +216,19 @@ class PeerPoolsMixin:
                 reason = self.failure_records.get(room)
         if reason is None or releases.features().kv_status_codec:
             return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
-        # Stock's frames (sync_status_to_decode_endpoint up to 0.5.19, the same three in each), plus the reason.
+        self._send_status_with(remote, dst_port, room, status, prefill_rank,
+                               REASON_PREFIX + str(reason).encode("utf-8", "replace"))
+
+    def _send_status_with(self, remote, dst_port, room, status, prefill_rank, extra: bytes) -> None:
+        """Stock's status message to a decode endpoint (up to 0.5.19 ``sync_status_to_decode_endpoint``
+        sends the same three frames: room, status, prefill rank) plus one fourth frame ``extra``
+        (a reason here, a digest in ``mooncake_verify``), which only an ``-ext`` decode's filter
+        takes off. Raises what stock's send raises."""
         from sglang.srt.utils.network import NetworkAddress
 
         na = NetworkAddress(remote, dst_port)
         self._connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
-            [str(room).encode("ascii"), str(status).encode("ascii"), str(prefill_rank).encode("ascii"),
-             REASON_PREFIX + str(reason).encode("utf-8", "replace")]
+            [str(room).encode("ascii"), str(int(status)).encode("ascii"), str(prefill_rank).encode("ascii"), extra]
         )
 
     def start_decode_thread(self):

@@ -146,12 +146,7 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
             frame = self._verify_frame(room, target, infos, partials)
         if frame is None:
             return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
-        from sglang.srt.utils.network import NetworkAddress
-
-        na = NetworkAddress(remote, dst_port)
-        self._connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
-            [str(room).encode("ascii"), str(int(status)).encode("ascii"), str(prefill_rank).encode("ascii"),
-             DIGEST_PREFIX + frame])
+        self._send_status_with(remote, dst_port, room, status, prefill_rank, DIGEST_PREFIX + frame)
 
     def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
         """Contract: decode's status thread (through :mod:`.mooncake_peers`' socket filter, up
