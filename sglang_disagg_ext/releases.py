@@ -625,15 +625,36 @@ class SGLangFeatures:
         return "def is_dummy(" in _stock_disaggregation_source("nixl/conn.py")
 
     @functools.cached_property
+    def nixl_empty_state_lists_wait(self) -> bool:
+        """Whether a NIXL decode given per-component state lists that are all empty waits for
+        a state notification prefill never sends: the receiver marks ``expects_state`` when its
+        ``state_indices`` list is non-empty (a list of empty lists is; 0.5.19 nixl/conn.py:2980,
+        0.5.20 :3235), prefill's ``maybe_send_extra`` skips empty components, and ``is_done``
+        waits for the state notification, so the room waits out decode's timeout. SGLang
+        lists at least one window page for a request with tokens. 0.5.23 concludes from the
+        status message (:attr:`nixl_success_via_listener_only`)."""
+        return "expects_state" in _stock_disaggregation_source("nixl/conn.py") and not self.nixl_success_via_listener_only
+
+    @functools.cached_property
     def nixl_success_via_notifications_only(self) -> bool:
         """Whether a NIXL decode learns a room's Success only from NIXL notifications:
-        ``NixlKVReceiver.poll`` concludes through ``check_transfer_done`` and the manager has
-        no status message that could carry Success (no ``send_kv_status_message``: SGLang's
-        common status codec is 0.5.20+). Up to 0.5.19; 0.5.20-0.5.22 conclude from either,
-        0.5.23 from the message only (:attr:`nixl_success_via_listener_only`)."""
+        ``NixlKVReceiver.poll`` concludes through ``check_transfer_done``, and NIXL's prefill
+        never sends a Success status message. Up to 0.5.19 the manager has no status message
+        at all (no ``send_kv_status_message``: SGLang's common status codec is 0.5.20+);
+        0.5.20-0.5.22 have the codec, but ``nixl/conn.py`` sends only failures through it
+        (``conclude_failure``, 0.5.20 :1481): its transfer worker sets Success on prefill alone
+        (``update_status(room, KVPoll.Success)``, 0.5.20 :1438) and never calls the codec's
+        Success path (``conclude_transfer``, which Mooncake and MoRI call) nor
+        ``send_kv_status_message`` itself. 0.5.23 concludes from the message only
+        (:attr:`nixl_success_via_listener_only`: its worker calls ``conclude_transfer``)."""
         from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-        return not self.nixl_success_via_listener_only and not hasattr(NixlKVManager, "send_kv_status_message")
+        if self.nixl_success_via_listener_only:
+            return False
+        if not hasattr(NixlKVManager, "send_kv_status_message"):
+            return True
+        source = _stock_disaggregation_source("nixl/conn.py")
+        return bool(source) and "conclude_transfer(" not in source and "send_kv_status_message(" not in source
 
     @functools.cached_property
     def nixl_success_via_listener_only(self) -> bool:

@@ -33,9 +33,9 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     0.5.19, whose decode loop unpacks exactly three frames, the fourth frame the
     ``-ext`` peers already exchange (F6/F9's pool-sizes registration frame says which
     decode takes it; ``mooncake_peers``). A NIXL decode that learns Success from that
-    message alone (0.5.23) takes it there; one that concludes from NIXL notifications
-    takes it from the room's aux notification where it concludes from notifications alone
-    (up to 0.5.19: ``nixl_verify``); not 0.5.20-0.5.22, which conclude from either.
+    message alone (0.5.23) takes it there; one that concludes from NIXL notifications alone
+    (up to 0.5.22: NIXL's prefill sends no Success message, ``nixl_verify``) takes it from
+    the room's aux notification.
     """
     out = {}
     if not policy.supported:
@@ -58,10 +58,10 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
         elif base == "nixl" and not (releases.features().nixl_success_via_listener_only
                                      or releases.features().nixl_success_via_notifications_only):
             # One way in, one digest: the status message (0.5.23) or the aux notification
-            # (up to 0.5.19, nixl_verify). 0.5.20-0.5.22 conclude from either.
-            out[ext] = (f"a NIXL decode on SGLang {policy.version} concludes Success both from prefill's "
-                        "status message and from NIXL notifications (0.5.20-0.5.22); the plugin carries the "
-                        "digest on one path only (the message from 0.5.23, the aux notification up to 0.5.19)")
+            # (up to 0.5.22, nixl_verify). A release where neither probe holds is not verified.
+            out[ext] = (f"a NIXL decode on SGLang {policy.version} does not conclude Success from one path the "
+                        "plugin can carry the digest on (prefill's status message alone, or NIXL notifications "
+                        "alone)")
         else:
             out[ext] = ""
     return out

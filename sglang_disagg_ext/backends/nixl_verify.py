@@ -17,8 +17,10 @@ How the digest travels depends on how the decode learns a room's Success:
 
 * from prefill's ``KV_STATUS`` message alone (0.5.23, probe
   ``nixl_success_via_listener_only``): a trailing status frame, as for Mooncake;
-* from NIXL notifications alone (up to 0.5.19, probe ``nixl_success_via_notifications_only``:
-  the F4 classes on 0.5.10.post1-0.5.12.x, F13's over stock's manager on 0.5.13-0.5.19): on
+* from NIXL notifications alone (up to 0.5.22, probe ``nixl_success_via_notifications_only``:
+  the F4 classes on 0.5.10.post1-0.5.12.x, F13's over stock's manager on 0.5.13-0.5.21, F11's on
+  0.5.22; from 0.5.20 SGLang's common status codec exists, but NIXL's prefill sends only
+  failures through it): on
   the room's aux notification. Prefill writes the aux row last in a room's last chunk (after its KV and
   state), so when that transfer is created every block of the room for that decode has
   been digested; the frame rides on the notification as one more ``_``-field
@@ -30,9 +32,6 @@ How the digest travels depends on how the decode learns a room's Success:
   moves the room to Failed, which the next poll reads. NIXL
   delivers a notification after its transfer's bytes landed, and the room is done only
   when every transfer's notification arrived. Prefill is not told of a mismatch here.
-
-0.5.20-0.5.22 conclude from either (the common status codec's message or notifications):
-not verified there (``verification.available``).
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
@@ -46,7 +45,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -284,11 +283,7 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
                 return tag
             with self._verify_lock:
                 partial = self._verify_partials.pop((room, peer), None)
-            if partial is None:
-                return tag
-            if partial.unplaced is not None:
-                logger.warning("room %s: not verifiable for decode %s (%s); no digest sent", room, peer,
-                               partial.unplaced)
+            if partial is None or partial.unverifiable(room, peer):
                 return tag
             frame = dg.encode_frame(partial.digests, partial.pages)
             return with_digest(tag, int(getattr(self.kv_args, "engine_rank", 0) or 0), frame)
@@ -371,12 +366,15 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
             return done
         try:
             status = self.transfer_statuses.get(room)
-            checked = self.__dict__.setdefault("_verify_checked", deque(maxlen=_CHECKED_MEMORY))
+            # Insertion-ordered and bounded: membership in O(1), the oldest room dropped first.
+            checked = self.__dict__.setdefault("_verify_checked", OrderedDict())
             if status is None or bool(getattr(status, "is_failure", False)) or room in checked:
                 return done
             if self._verify_await_frames(room):
                 return False
-            checked.append(room)
+            checked[room] = None
+            if len(checked) > _CHECKED_MEMORY:
+                checked.popitem(last=False)
             with self._verify_lock:
                 frames = self._verify_frames.pop(room, None)
             reason = self._verify_check(room, frames)

@@ -177,6 +177,14 @@ class _Partial:
         self.pages: Dict[int, set] = {}
         self.unplaced: Optional[str] = None
 
+    def unverifiable(self, room, decode: str) -> bool:
+        """True, with a warning naming the room, the decode and why, where a block of it could
+        not be placed (the room then goes unverified: no digest is sent for it)."""
+        if self.unplaced is None:
+            return False
+        logger.warning("room %s: not verifiable for decode %s (%s); no digest sent", room, decode, self.unplaced)
+        return True
+
     def add(self, component, buffer, value, pages):
         key = (component, buffer)
         self.digests[key] = (self.digests.get(key, 0) + value) & dg.MASK
@@ -446,9 +454,7 @@ class VerifiedTransferMixin:
             p = partials.get(s)
             if p is None:
                 continue
-            if p.unplaced is not None:
-                logger.warning("room %s: not verifiable for decode %s:%s (%s); no digest sent",
-                               room, target[0], target[1], p.unplaced)
+            if p.unverifiable(room, f"{target[0]}:{target[1]}"):
                 return None
             for (c, b), d in p.digests.items():
                 merged.add(c, b, d, ())

@@ -79,10 +79,12 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
 # parse_kv_status_message / send_kv_status_message); up to 0.5.19, whose decode loop unpacks exactly three
 # status frames, through the fourth frame the -ext peers exchange (F6/F9, live on every one of them). NIXL
 # where its decode learns Success from prefill's status message alone (0.5.23: NixlKVReceiver.poll reads
-# check_status only), and where it learns Success from NIXL notifications alone (up to 0.5.19: poll concludes
-# through check_transfer_done, and NixlKVManager has no send_kv_status_message before the common codec of 0.5.20;
-# update_transfer_status splits the aux tag on "_" and reads at most 4 fields, so the digest rides there as one
-# more); not 0.5.20-0.5.22, which conclude from either. MoRI where it concludes
+# check_status only), and where it learns Success from NIXL notifications alone (up to 0.5.22: poll concludes
+# through check_transfer_done, and NIXL's prefill never sends a Success message: NixlKVManager has no
+# send_kv_status_message before the common codec of 0.5.20, and 0.5.20-0.5.22's nixl/conn.py calls neither it
+# nor conclude_transfer, only conclude_failure; update_transfer_status splits the aux tag on "_" and reads at
+# most 4 fields before 0.5.20, at most 5 from 0.5.20 ("<room>_aux_nokv_<pp>_<expected>"), so the digest rides
+# there as one more). MoRI where it concludes
 # rooms through that codec (0.5.20+: conclude_transfer / parse_kv_status_message in mori/conn.py) or through
 # its own status message with a transfer-worker queue (0.5.13-0.5.19: notify_decode_status, _start_decode_thread,
 # _transfer_worker); not 0.5.10.post1-0.5.11 (no _transfer_worker) nor 0.5.12.x (F3's own wire format).
@@ -92,8 +94,7 @@ VERIFY_AVAILABLE = {
     **{r: _MOONCAKE | {"nixl-ext"} for r in ("0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1")},
     **{r: _MOONCAKE_MORI | {"nixl-ext"} for r in ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1",
                                                   "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
-    **{r: _MOONCAKE_MORI for r in ("0.5.20", "0.5.21", "0.5.22")},
-    "0.5.23": _MOONCAKE_MORI | {"nixl-ext"},
+    **{r: _MOONCAKE_MORI | {"nixl-ext"} for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 
 

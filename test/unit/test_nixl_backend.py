@@ -329,3 +329,32 @@ def test_nixl_probes_match_the_wheel_read_by_hand():
     assert (f.stock_nixl_prep_serves_decode_replicas, f.stock_nixl_worker_tells_decode) == _NIXL_FACTS[version]
     assert (f.nixl_conclude_failure, f.nixl_is_dummy_method,
             f.stock_nixl_sender_bootstrap_deadline) == _NIXL_REGISTRATION_FACTS[version]
+
+
+# Read by hand: how a NIXL decode learns a room's Success (where verified transfers carry the digest).
+# (nixl_success_via_notifications_only, nixl_success_via_listener_only, nixl_empty_state_lists_wait):
+#  up to 0.5.19 NixlKVReceiver.poll concludes through check_transfer_done and NixlKVManager has no status
+#  message; 0.5.20-0.5.22 poll still concludes through check_transfer_done (0.5.20 :3257, 0.5.22 :3512) and the
+#  manager has the common codec, but nixl/conn.py sends only failures (conclude_failure, 0.5.20 :1481, 0.5.22
+#  :1575); its worker sets Success on prefill alone (update_status, 0.5.20 :1438, 0.5.22 :1532); 0.5.23's
+#  poll reads check_status only and its worker calls conclude_transfer (:1902). Up to 0.5.22 the decode's
+#  TransferStatus.is_done waits for a state notification once expects_state is set (0.5.11 :1222, 0.5.19 :2980,
+#  0.5.20 :3235); 0.5.23 has no expects_state.
+_NIXL_SUCCESS_PATH = {
+    **{r: (True, False, True) for r in ("0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
+                                        "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+                                        "0.5.19", "0.5.20", "0.5.21", "0.5.22")},
+    "0.5.23": (False, True, False),
+}
+
+
+@pytest.mark.timeout(20)
+def test_nixl_success_path_probes_match_the_wheel_read_by_hand():
+    from sglang_disagg_ext import releases
+
+    version = releases.installed_sglang_version()
+    if version not in _NIXL_SUCCESS_PATH:
+        pytest.skip(f"n/a: SGLang {version} was not read by hand")
+    f = releases.features()
+    assert (f.nixl_success_via_notifications_only, f.nixl_success_via_listener_only,
+            f.nixl_empty_state_lists_wait) == _NIXL_SUCCESS_PATH[version]
