@@ -398,23 +398,31 @@ class VerifiedTransferMixin:
             return
         w = np.flatnonzero(whole)
         key = si[w] * len(dst_table) + di[w]
-        w = w[np.argsort(key, kind="stable")]  # keeps each group's blocks in order
-        key = si[w] * len(dst_table) + di[w]
-        cuts = np.flatnonzero(np.diff(key)) + 1
+        order = np.argsort(key, kind="stable")  # keeps each group's blocks in order
+        w, key = w[order], key[order]
+        # Every block's items at once (source rows, destination pages), each group a slice of
+        # them: one pass for the request, not two per (source, destination) buffer pair.
+        item_w = n[w]
+        counts = length[w] // item_w
+        rows_all = run_index(s_off[w] // item_w, counts)
+        pages_all = run_index(d_off[w] // item_w, counts)
+        item_end = np.cumsum(counts)
+        first = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1))
+        last = np.concatenate((first[1:], [w.size]))
         requests, placed = [], []
-        for group in np.split(w, cuts):
-            src, dst = src_table[si[group[0]]], dst_table[di[group[0]]]
+        for b0, b1 in zip(first.tolist(), last.tolist()):
+            src, dst = src_table[si[w[b0]]], dst_table[di[w[b0]]]
             item = dst.item_len
-            starts, counts = s_off[group] // item, length[group] // item
-            pages = run_index(d_off[group] // item, counts)
+            i0, i1 = int(item_end[b0] - counts[b0]), int(item_end[b1 - 1])
+            pages = pages_all[i0:i1]
             flat = src.flat()
-            if len(group) == 1:  # one contiguous run: digest it in place
-                s0 = int(starts[0]) * item
-                c0 = int(counts[0])
-                requests.append((flat[s0:s0 + c0 * item].view(c0, item), dst.component, dst.index, pages, None))
+            if b1 - b0 == 1:  # one contiguous run: digest it in place
+                s0 = int(rows_all[i0]) * item
+                requests.append((flat[s0:s0 + (i1 - i0) * item].view(i1 - i0, item), dst.component, dst.index,
+                                 pages, None))
             else:
                 pool = flat[: (src.end - src.start) // item * item].view(-1, item)
-                requests.append((pool, dst.component, dst.index, pages, run_index(starts, counts)))
+                requests.append((pool, dst.component, dst.index, pages, rows_all[i0:i1]))
             placed.append((dst.component, dst.index, pages))
         for (component, buffer, pages), value in zip(placed, rows_digests(requests)):
             partial.add(component, buffer, value, pages)
@@ -621,14 +629,17 @@ class VerifiedTransferMixin:
     def _verify_landed(self, expected, pages) -> Dict[Tuple[int, int], int]:
         table, _ = self._verify_local()
         by_key = {(b.component, b.index): b for b in table}
+        # One index array per component, shared by its buffers (the kernels convert a list per use).
+        page_arrays = {c: np.asarray(ps, dtype=np.int64) for c, ps in pages.items()}
+        no_pages = np.empty(0, dtype=np.int64)
         keys, requests = [], []
         for (c, b) in expected:
             buf = by_key.get((c, b))
             if buf is None:
                 raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: decode has no such buffer")
-            ps = pages.get(c, [])
+            ps = page_arrays.get(c, no_pages)
             n_items = (buf.end - buf.start) // buf.item_len
-            if ps and (ps[0] < 0 or ps[-1] >= n_items):
+            if ps.size and (ps[0] < 0 or ps[-1] >= n_items):  # sorted (merge_frames)
                 raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: page {ps[-1]} "
                                      f"outside decode's {n_items} pages")
             flat = buf.flat()[: n_items * buf.item_len].view(n_items, buf.item_len)

@@ -149,7 +149,8 @@ def test_rows_digest_index_in_runs_digests_in_place(monkeypatch):
     # Two long runs of pool rows (at least 64 KiB a run on average): digested in place
     # without a gather (the gather buffer is never asked for); same value as the
     # reference, and an index past the pool's end is an error on both paths, never a
-    # silently shorter slice. Short runs (2 KiB a run here) take the gather.
+    # silently shorter slice. Short runs (8 KiB a run here, 80 KiB in all) take the gather;
+    # a few rows (at most 64 KiB in all) one indexed copy, with neither.
     gathers = []
     scratch = digest_kernels._scratch
     monkeypatch.setattr(digest_kernels, "_scratch", lambda n: gathers.append(n) or scratch(n))
@@ -158,15 +159,23 @@ def test_rows_digest_index_in_runs_digests_in_place(monkeypatch):
     pages = list(range(100, 100 + len(index)))
     assert rows_digest(pool, 2, 0, pages, index=index) == _reference(pool[index], 2, 0, pages)
     assert gathers == []
-    short = [2, 3, 9, 10, 20]  # three runs of 8 KiB at most: gathered
-    assert rows_digest(pool, 2, 0, [1, 2, 3, 4, 5], index=short) == _reference(pool[short], 2, 0, [1, 2, 3, 4, 5])
+    few = [2, 3, 9, 10, 20]  # 20 KiB in all: one indexed copy, no gather buffer
+    assert rows_digest(pool, 2, 0, [1, 2, 3, 4, 5], index=few) == _reference(pool[few], 2, 0, [1, 2, 3, 4, 5])
+    assert gathers == []
+    short = [r for start in range(0, 80, 8) for r in (start, start + 1)]  # ten runs of 8 KiB: gathered
+    pages = list(range(len(short)))
+    assert rows_digest(pool, 2, 0, pages, index=short) == _reference(pool[short], 2, 0, pages)
     assert len(gathers) == 1
     with pytest.raises((IndexError, RuntimeError)):
         rows_digest(pool, 2, 0, list(range(40)), index=list(range(50, 90)))  # in-place path
     with pytest.raises((IndexError, RuntimeError)):
-        rows_digest(pool, 2, 0, [0, 1], index=[3, 80])  # gather path
+        rows_digest(pool, 2, 0, pages, index=short[:-1] + [80])  # gather path
     with pytest.raises((IndexError, RuntimeError)):
-        rows_digest(pool, 2, 0, [0, 1], index=[-1, 3])  # gather path, below the pool
+        rows_digest(pool, 2, 0, pages, index=[-1] + short[1:])  # gather path, below the pool
+    with pytest.raises((IndexError, RuntimeError)):
+        rows_digest(pool, 2, 0, [0, 1], index=[3, 80])  # indexed copy
+    with pytest.raises((IndexError, RuntimeError)):
+        rows_digest(pool, 2, 0, [0, 1], index=[-1, 3])  # indexed copy, below the pool
 
 
 @pytest.mark.timeout(30)
