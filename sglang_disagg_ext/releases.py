@@ -1064,16 +1064,17 @@ def read_stock_f5() -> StockF5Facts:
 
 
 def stock_bootstrap_reads_notices(cls: type) -> bool:
-    """Whether SGLang's own part of manager class ``cls`` has its prefill bootstrap loop offer
-    every decode message to ``_handle_abort_notification`` first, which returns True for a
-    message it consumed (NIXL 0.5.20+ nixl/conn.py, 0.5.23 :3376; Mooncake 0.5.22+,
-    0.5.23 mooncake/conn.py:2976). The plugin's verified transfers take their decode's
-    mismatch notice there; a class of the plugin defining it does not count."""
-    return any(
-        "_handle_abort_notification" in vars(klass)
-        for klass in cls.__mro__
-        if klass.__module__.startswith("sglang.")
-    )
+    """Whether a decode of manager class ``cls`` can send prefill a notice that prefill's
+    bootstrap loop takes: SGLang's own part of ``cls`` offers every decode message to
+    ``_handle_abort_notification`` first, which returns True for a message it consumed (NIXL
+    0.5.16+ nixl/conn.py, 0.5.16 :2413, 0.5.23 :3376; Mooncake 0.5.22+, 0.5.23
+    mooncake/conn.py:2976), and has the cached PUSH sockets a decode sends it on
+    (``_send_multipart_locked``, common/conn.py from 0.5.19). The plugin's verified transfers
+    take their decode's mismatch notice there; a class of the plugin defining either does
+    not count."""
+    stock = [klass for klass in cls.__mro__ if klass.__module__.startswith("sglang.")]
+    return (any("_handle_abort_notification" in vars(klass) for klass in stock)
+            and any("_send_multipart_locked" in vars(klass) for klass in stock))
 
 
 def stock_callable(cls: type, name: str):

@@ -31,7 +31,10 @@ How the digest travels depends on how the decode learns a room's Success:
   room in ``check_transfer_done`` when stock would conclude it, before it does; a mismatch
   moves the room to Failed, which the next poll reads. NIXL
   delivers a notification after its transfer's bytes landed, and the room is done only
-  when every transfer's notification arrived. Prefill is not told of a mismatch here.
+  when every transfer's notification arrived. Where prefill's bootstrap loop takes decode's
+  notices (0.5.19+, ``releases.stock_bootstrap_reads_notices``), prefill's reply address rides
+  in the same field (``.<base64>`` after the digest) and decode tells it of a mismatch, as on
+  0.5.23; before 0.5.19 prefill is not told.
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
@@ -104,28 +107,34 @@ def aux_notif_room(tag) -> Optional[int]:
     return None
 
 
-def with_digest(tag, rank: int, frame: bytes):
-    """``tag`` (str or bytes, same type back) with the digest field appended."""
+def with_digest(tag, rank: int, frame: bytes, reply: Optional[bytes] = None):
+    """``tag`` (str or bytes, same type back) with the digest field appended:
+    ``_SDXV<rank>.<base64 frame>``, and ``.<base64 reply>`` where prefill can hear a notice."""
     field = b"_" + NOTIF_DIGEST + str(int(rank)).encode("ascii") + b"." + base64.b64encode(frame)
+    if reply:
+        field += b"." + base64.b64encode(reply)
     if isinstance(tag, str):
         return tag + field.decode("ascii")
     return bytes(tag) + field
 
 
 def split_digest(msg: bytes):
-    """``(tag, rank, frame)`` of a notification with a digest field, ``(msg, None, None)`` without
-    one; a field that cannot be read gives ``(tag, None, None)`` (the tag is stock's either way)."""
+    """``(tag, rank, frame, reply)`` of a notification with a digest field (``reply`` None where
+    it carries none), ``(msg, None, None, None)`` without one; a field that cannot be read gives
+    ``(tag, None, None, None)`` (the tag is stock's either way)."""
     i = msg.find(b"_" + NOTIF_DIGEST)
     if i < 0:
-        return msg, None, None
+        return msg, None, None, None
     tag, field = msg[:i], msg[i + 1 + len(NOTIF_DIGEST):]
     rank, dot, payload = field.partition(b".")
+    payload, _, reply = payload.partition(b".")
     try:
         if not dot or not rank.isdigit():
             raise ValueError("no rank")
-        return tag, int(rank), base64.b64decode(payload, validate=True)
+        return (tag, int(rank), base64.b64decode(payload, validate=True),
+                base64.b64decode(reply, validate=True) if reply else None)
     except ValueError:
-        return tag, None, None
+        return tag, None, None, None
 
 
 class RecordingAgent:
@@ -286,7 +295,9 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
             if partial is None or partial.unverifiable(room, peer):
                 return tag
             frame = dg.encode_frame(partial.digests, partial.pages)
-            return with_digest(tag, int(getattr(self.kv_args, "engine_rank", 0) or 0), frame)
+            # Prefill's reply address rides along where its bootstrap loop takes decode's notices.
+            return with_digest(tag, int(getattr(self.kv_args, "engine_rank", 0) or 0), frame,
+                               self._verify_reply_frame())
         except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
             logger.exception("verified transfers: could not add the digest to a NIXL notification")
             return tag
@@ -302,6 +313,7 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
                 for key in [k for k in self._verify_partials if k[0] == bootstrap_room]:
                     del self._verify_partials[key]
                 self._verify_frames.pop(bootstrap_room, None)
+                self._verify_replies.pop(bootstrap_room, None)
             self.__dict__.get("_verify_frame_wait", {}).pop(bootstrap_room, None)
 
     # -- decode, notification path --------------------------------------------------
@@ -337,11 +349,13 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
             kept = out[peer] = []
             for msg in messages:
                 try:
-                    tag, rank, frame = split_digest(bytes(msg))
+                    tag, rank, frame, reply = split_digest(bytes(msg))
                     if frame is not None:
                         room = aux_notif_room(tag)
                         if room is not None:
                             self._verify_keep_frame(room, rank, frame)
+                            if reply is not None:
+                                self._verify_keep_reply(room, rank, reply)
                     kept.append(tag)
                 except Exception:  # noqa: BLE001 - the notification reaches stock as it came
                     logger.exception("verified transfers: unreadable digest field in a NIXL notification")
@@ -377,11 +391,13 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
                 checked.popitem(last=False)
             with self._verify_lock:
                 frames = self._verify_frames.pop(room, None)
+                replies = self._verify_replies.pop(room, None)
             reason = self._verify_check(room, frames)
             if reason is not None:
                 logger.error("room %s: %s", room, reason)
                 self.record_failure(room, reason)
                 self.update_status(room, KVPoll.Failed)
+                self._verify_tell_prefill(room, reason, replies or {})
                 return False
         except Exception:  # noqa: BLE001 - the room concludes as stock says
             logger.exception("verified transfers: check of room %s failed to run", room)

@@ -520,12 +520,20 @@ class VerifiedTransferMixin:
                 frame = bytes(frame)
                 if frame.startswith(dg.FRAME_MAGIC):
                     self._verify_keep_frame(room, prefill_rank, frame)
-                elif frame.startswith(REPLY_MAGIC):
-                    host, _, port = frame[len(REPLY_MAGIC):].decode("utf-8", "replace").rpartition("|")
-                    if host and port.isdigit():
-                        with self._verify_lock:
-                            self._verify_replies.setdefault(room, {})[prefill_rank] = (host, int(port))
+                else:
+                    self._verify_keep_reply(room, prefill_rank, frame)
         return parsed
+
+    def _verify_keep_reply(self, room: int, prefill_rank: int, frame: bytes) -> None:
+        """Decode: ``prefill_rank``'s reply address for ``room`` (a ``REPLY_MAGIC`` frame, see
+        :meth:`_verify_reply_frame`), where :meth:`_verify_tell_prefill` sends a mismatch notice;
+        anything else is ignored."""
+        if not frame.startswith(REPLY_MAGIC):
+            return
+        host, _, port = frame[len(REPLY_MAGIC):].decode("utf-8", "replace").rpartition("|")
+        if host and port.isdigit():
+            with self._verify_lock:
+                self._verify_replies.setdefault(room, {})[prefill_rank] = (host, int(port))
 
     def _verify_keep_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
         """Decode's status thread: ``prefill_rank``'s digest frame for ``room``, until

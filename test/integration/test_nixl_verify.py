@@ -68,9 +68,16 @@ VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
 # as host memory themselves; stock, and -ext where it composes over stock's manager (0.5.23),
 # get the harness's shim (harness/nixl_shim.py).
 EXT_NEEDS_SHIM = not POLICY.is_live("F4")
-# Where the decode concludes from prefill's status message (0.5.23), prefill's bootstrap loop
-# takes decode's mismatch notices; where it concludes from NIXL notifications, prefill is not told.
-PREFILL_TOLD = releases.features().nixl_success_via_listener_only
+# Where prefill's bootstrap loop takes decode's notices and decode has the sockets to send them
+# (0.5.19+), decode tells prefill of a mismatch at the reply address that came with the digest
+# (the status message on 0.5.23, the aux notification up to 0.5.22); before 0.5.19 it cannot.
+def _prefill_told() -> bool:
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    return releases.stock_bootstrap_reads_notices(NixlKVManager)
+
+
+PREFILL_TOLD = _prefill_told()
 
 
 def _shim_env(backend: str) -> dict:

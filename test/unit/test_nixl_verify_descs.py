@@ -101,11 +101,17 @@ def test_aux_notification_digest_field_by_hand():
     # before it, unchanged (the nokv marker's rank is field 3).
     assert "7_aux_SDXV2.AAE=".split("_", 4)[:2] == ["7", "aux"]
     assert "7_aux_nokv_3_SDXV0.AAE=".split("_", 8)[2:4] == ["nokv", "3"]
-    assert split_digest(b"7_aux_SDXV2.AAE=") == (b"7_aux", 2, b"\x00\x01")
-    assert split_digest(b"7_aux_nokv_3") == (b"7_aux_nokv_3", None, None)
+    assert split_digest(b"7_aux_SDXV2.AAE=") == (b"7_aux", 2, b"\x00\x01", None)
+    assert split_digest(b"7_aux_nokv_3") == (b"7_aux_nokv_3", None, None, None)
     # Unreadable: the field is still taken off, no frame.
-    assert split_digest(b"7_aux_SDXVx.AAE=") == (b"7_aux", None, None)
-    assert split_digest(b"7_aux_SDXV1.A*E=") == (b"7_aux", None, None)
+    assert split_digest(b"7_aux_SDXVx.AAE=") == (b"7_aux", None, None, None)
+    assert split_digest(b"7_aux_SDXV1.A*E=") == (b"7_aux", None, None, None)
+    # With prefill's reply address (where its bootstrap loop takes notices): one more
+    # ".<base64>"; b"SDXR1h|5" is U0RY UjFo fDU= by hand (53 44 58 | 52 31 68 | 7c 35).
+    assert with_digest(b"7_aux", 2, b"\x00\x01", b"SDXR1h|5") == b"7_aux_SDXV2.AAE=.U0RYUjFofDU="
+    assert "7_aux_SDXV2.AAE=.U0RYUjFofDU=".split("_", 8)[:2] == ["7", "aux"]
+    assert split_digest(b"7_aux_SDXV2.AAE=.U0RYUjFofDU=") == (b"7_aux", 2, b"\x00\x01", b"SDXR1h|5")
+    assert split_digest(b"7_aux_SDXV2.AAE=.U0R*") == (b"7_aux", None, None, None)
 
 
 @pytest.mark.timeout(10)
