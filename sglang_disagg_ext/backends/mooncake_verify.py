@@ -20,9 +20,14 @@ before stock reads the message); any other decode gets stock's three frames and 
 room goes unverified there. Prefill is not told of a mismatch on those releases (its
 bootstrap loop takes no notices).
 
+The aux row over TCP (``send_aux_tcp``: ``SGLANG_MOONCAKE_SEND_AUX_TCP``, or an NVLink
+pool) is no engine write: its rows are digested as the blocks an RDMA write would have
+(``core.aux_rows.aux_row_blocks``), so decode checks the aux page as on the RDMA path. They
+go on the same cached socket as prefill's Success status, before it, and decode's status
+thread writes them before it reads that status.
+
 Not covered: staging (the destination is decode's staging buffer, not a registered
-pool: the room goes unverified) and the TCP aux path (not an engine write: the aux
-page is not listed, so decode does not check it).
+pool: the room goes unverified).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.backends.mooncake_peers import DIGEST_PREFIX
 from sglang_disagg_ext.backends.transfer_verify import _SUCCESS, VerifiedTransferMixin, logger, recorded_attribute
+from sglang_disagg_ext.core.aux_rows import aux_row_blocks
 
 
 class RecordingMooncakeEngine:
@@ -108,6 +114,26 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
             return super()._transfer_data(mooncake_session_id, transfer_blocks)
         finally:
             inside.depth -= 1
+
+    def send_aux_tcp(self, req, prefill_aux_index, dst_aux_ptrs, *args, **kwargs):
+        """Stock's aux rows over TCP, digested first as the blocks an RDMA write would have.
+
+        Contract: prefill transfer worker, from ``send_aux`` in a room's last chunk, where
+        SGLang sends the metadata rows as ``AUX_DATA`` messages (``SGLANG_MOONCAKE_SEND_AUX_TCP``
+        or an NVLink pool); ``req`` is the decode session's ``TransferInfo``. Result and
+        exceptions are stock's; the digest never raises into it.
+        """
+        if self._verify_on and self.disaggregation_mode.name == "PREFILL":
+            session = str(req.mooncake_session_id)
+            try:
+                blocks = aux_row_blocks(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, dst_aux_ptrs,
+                                        int(prefill_aux_index), int(req.dst_aux_index))
+                if blocks:
+                    self._verify_add_blocks(session, blocks)
+            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+                logger.exception("verified transfers: digest of the aux rows over TCP failed; the room goes unverified")
+                self._verify_mark_unplaced(session, "digest raised")
+        return super().send_aux_tcp(req, prefill_aux_index, dst_aux_ptrs, *args, **kwargs)
 
     def _verify_engine_write(self, session, blocks) -> None:
         """An engine write outside ``_transfer_data`` (prefill transfer threads). Must never raise."""

@@ -18,8 +18,10 @@ Where MoRI concludes rooms through SGLang's common status codec (0.5.20+, probe
 (``notify_decode_status``: guard, room, status, rank, reason) and its decode worker reads
 it by position, never past the reason: the digest goes as one more trailing frame to
 every decode (stock ignores it), and the ``-ext`` decode reads it through a socket
-filter before the worker does. Not covered: the metadata row over TCP (``send_aux_tcp``, the
-default without RDMA for aux): its page is not listed, so decode does not check it.
+filter before the worker does. The metadata rows over TCP (``send_aux_tcp``, the default
+without RDMA for aux) are no engine write: they are digested as the blocks an RDMA write
+would have (``core.aux_rows.aux_row_blocks``), so decode checks the aux page as on the RDMA
+path (an ``-ext`` decode applies a room's Success after its rows: F12's order).
 MoRI's decode never reads mismatch notices (no ``_handle_abort_notification``), so
 prefill is not told. Tested against the MoRI stand-in (``test/support/mori_standin``):
 MoRI's engine cannot run on a machine without its RDMA stack.
@@ -42,6 +44,7 @@ from sglang_disagg_ext.backends.transfer_verify import (
     state_lists,
 )
 from sglang_disagg_ext.core import digest as dg
+from sglang_disagg_ext.core.aux_rows import aux_row_blocks
 
 
 def _room_of(item) -> Optional[int]:
@@ -118,6 +121,27 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
             logger.exception("verified transfers: digest of a MoRI transfer failed; the room goes unverified")
             self._verify_mark_unplaced(peer, "digest raised")
+
+    def send_aux_tcp(self, peer_info, prefill_aux_index, dst_aux_index, room, *args, **kwargs):
+        """Stock's metadata rows over TCP, digested first as the blocks an RDMA write would have.
+
+        Contract: prefill, the room's last chunk (transfer worker from 0.5.13), where SGLang
+        sends each metadata row as an ``AUX_DATA`` message to ``peer_info``'s decode; result
+        and exceptions are stock's; the digest never raises into it.
+        """
+        if self._verify_on and self.disaggregation_mode.name == "PREFILL":
+            peer = str(peer_info.engine_key)
+            try:
+                blocks = aux_row_blocks(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                        [int(d.data) for d in peer_info.dst_aux_mem_descs or []],
+                                        int(prefill_aux_index), int(dst_aux_index))
+                if blocks:
+                    self._verify_add_blocks(peer, blocks)
+            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+                logger.exception("verified transfers: digest of the metadata rows over TCP failed; "
+                                 "the room goes unverified")
+                self._verify_mark_unplaced(peer, "digest raised")
+        return super().send_aux_tcp(peer_info, prefill_aux_index, dst_aux_index, room, *args, **kwargs)
 
     # -- 0.5.13-0.5.19: MoRI's own status message --------------------------------------
     def notify_decode_status(self, infos, bootstrap_room, status, failure_reason=None):

@@ -88,3 +88,15 @@ def aux_row_problem(
     if num_rows is not None and row >= num_rows:
         return f"{where}: row outside the decode buffer's {num_rows} rows"
     return None
+
+
+def aux_row_blocks(src_ptrs: Sequence[int], item_lens: Sequence[int], dst_ptrs: Sequence[int],
+                   src_row: int, dst_row: int) -> List[tuple]:
+    """``(src, dst, length)`` of the rows a request's metadata moves, one per buffer both sides
+    have: row ``src_row`` of each prefill buffer to row ``dst_row`` of the decode buffer of the
+    same index, ``item_lens[i]`` bytes (prefill's row size, which both SGLang paths send). The
+    blocks an RDMA write of the rows has; over TCP (``send_aux_tcp``) the same bytes go in
+    messages, and verified transfers digest them as these blocks."""
+    n = min(len(src_ptrs), len(item_lens), len(dst_ptrs))
+    return [(int(src_ptrs[i]) + int(item_lens[i]) * src_row, int(dst_ptrs[i]) + int(item_lens[i]) * dst_row,
+             int(item_lens[i])) for i in range(n)]

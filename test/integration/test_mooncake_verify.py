@@ -191,6 +191,37 @@ def test_landed_flip_across_tp_sizes_fails_the_room(case):
     assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=PREFILL_HEARS)
 
 
+# The aux rows over TCP (SGLang's AUX_DATA messages instead of an engine write), on both sides.
+AUX_TCP = {"SGLANG_MOONCAKE_SEND_AUX_TCP": "true"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("variant", ["mooncake", "mooncake-ext", "mooncake-ext verified"])
+def test_aux_rows_over_tcp_are_verified(variant):
+    """One landed aux byte wrong (decode's row 3 of buffer 0, flipped where decode takes
+    prefill's Success) with the rows sent over TCP: stock and unverified ext report Success
+    with the wrong byte (the harness's byte check), verified ext Failed naming aux buffer 0.
+    Three more rooms with the same TCP path and no fault: every aux row digested and checked."""
+    build, component, buffer, page, ranks = flip_cases("mooncake")["aux"]
+    verified = variant.endswith("verified")
+    if verified and WHY_NOT:
+        pytest.skip(f"n/a: verified transfers not available here: {WHY_NOT}")
+    backend = variant.split()[0]
+    result = run_scenario(build(), backend, extra_env={**AUX_TCP, **(VERIFY if verified else {}),
+                                                      **landed_flip_env(component, buffer, page)})
+    if verified:
+        assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=PREFILL_HEARS)
+        clean = run_scenario(three_rooms(build()), backend, extra_env={**AUX_TCP, **VERIFY})
+        assert clean.ok and all(r.decode_status == "Success" and r.bytes_verified for r in clean.requests), \
+            clean.describe()
+        assert counted_ok(clean) == [3.0], clean.plugin_metrics
+        return
+    (req,) = result.requests
+    assert req.decode_status == "Success" and req.prefill_status == "Success", result.describe()
+    assert not req.bytes_verified and any(f"aux buffer {buffer} page {page}" in m for m in req.mismatches), \
+        req.mismatches
+
+
 @needs_verify
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, d", [(2, 1), (1, 2)])

@@ -85,6 +85,40 @@ def test_landed_flip_fails_the_room_with_verification(case):
     assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=False)
 
 
+# The metadata rows over SGLang's TCP path (its default without RDMA aux) where the rows are
+# ordered with the room's status: both sides mori-ext with F12 live (selftest_mori.needs_aux_rdma;
+# F12 is live on every supported release).
+AUX_TCP_WHY_NOT = ("" if not selftest_mori.needs_aux_rdma("mori-ext", "mori-ext")
+                   else f"SGLang {POLICY.version}: MoRI's TCP metadata rows race the status here (F12 not live)")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
+def test_metadata_rows_over_tcp_are_verified(verified):
+    """One landed aux byte wrong (decode row 3 of buffer 0, flipped where decode takes the
+    Success) with the rows sent as AUX_DATA messages: unverified mori-ext Success with the wrong
+    byte (the harness's byte check), verified mori-ext Failed naming aux buffer 0; then three
+    clean rooms over the same path, every one verified."""
+    if AUX_TCP_WHY_NOT:
+        pytest.skip(f"n/a: {AUX_TCP_WHY_NOT}")
+    build, component, buffer, page, ranks = CASES["aux"]
+    env = {**selftest_mori.standin_env(aux_rdma=False), **landed_flip_env(component, buffer, page),
+           **(VERIFY if verified else {})}
+    result = run_scenario(build(), "mori-ext", extra_env=env)
+    if not verified:
+        (req,) = result.requests
+        assert req.decode_status == "Success" and req.prefill_status == "Success", result.describe()
+        assert not req.bytes_verified and any(f"aux buffer {buffer} page {page}" in m for m in req.mismatches), \
+            req.mismatches
+        return
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=False)
+    clean = run_scenario(three_rooms(build()), "mori-ext", extra_env={**selftest_mori.standin_env(aux_rdma=False),
+                                                                     **VERIFY})
+    assert clean.ok and all(r.decode_status == "Success" and r.bytes_verified for r in clean.requests), \
+        clean.describe()
+    assert counted_ok(clean) == [3.0], clean.plugin_metrics
+
+
 KINDS = ("swa", "nsa", "dsv4", "mamba")
 
 

@@ -4,7 +4,13 @@ import struct
 
 import pytest
 
-from sglang_disagg_ext.core.aux_rows import AuxRowError, aux_row_problem, decode_aux_item_lens, encode_aux_item_lens
+from sglang_disagg_ext.core.aux_rows import (
+    AuxRowError,
+    aux_row_blocks,
+    aux_row_problem,
+    decode_aux_item_lens,
+    encode_aux_item_lens,
+)
 
 
 @pytest.mark.timeout(10)
@@ -42,3 +48,11 @@ def test_row_problem_names_buffer_row_and_both_lengths():
     assert aux_row_problem(3, 0, 8, None) == "metadata (aux) buffer 3, row 0: the receiving side has no such buffer"
     assert aux_row_problem(0, 4, 8, 8, num_rows=4) == "metadata (aux) buffer 0, row 4: row outside the decode buffer's 4 rows"
     assert aux_row_problem(0, 3, 8, 8, num_rows=4) is None
+
+
+@pytest.mark.timeout(10)
+def test_aux_row_blocks_by_hand():
+    # Two prefill buffers with 8- and 24-byte rows, three decode buffers: row 2 -> row 5 of
+    # the first two only: 1000 + 8*2 -> 5000 + 8*5, and 2000 + 24*2 -> 6000 + 24*5.
+    assert aux_row_blocks([1000, 2000], [8, 24], [5000, 6000, 7000], 2, 5) == [(1016, 5040, 8), (2048, 6120, 24)]
+    assert aux_row_blocks([1000], [8], [], 0, 0) == []
