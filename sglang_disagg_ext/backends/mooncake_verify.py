@@ -38,8 +38,7 @@ import numpy as np
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.backends.mooncake_peers import DIGEST_PREFIX
-from sglang_disagg_ext.backends.transfer_verify import _SUCCESS, VerifiedTransferMixin, logger, recorded_attribute
-from sglang_disagg_ext.core.aux_rows import aux_row_blocks
+from sglang_disagg_ext.backends.transfer_verify import _SUCCESS, VerifiedTransferMixin, recorded_attribute
 
 
 class RecordingMooncakeEngine:
@@ -103,11 +102,7 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
         """
         if not (self._verify_on and transfer_blocks):
             return super()._transfer_data(mooncake_session_id, transfer_blocks)
-        try:
-            self._verify_add_blocks(mooncake_session_id, transfer_blocks)
-        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-            logger.exception("verified transfers: digest of a transfer failed; the room goes unverified")
-            self._verify_mark_unplaced(mooncake_session_id, "digest raised")
+        self._verify_write(mooncake_session_id, lambda: transfer_blocks, "a transfer")
         inside = self._verify_inside
         inside.depth = getattr(inside, "depth", 0) + 1  # its engine call is digested already
         try:
@@ -123,27 +118,14 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
         or an NVLink pool); ``req`` is the decode session's ``TransferInfo``. Result and
         exceptions are stock's; the digest never raises into it.
         """
-        if self._verify_on and self.disaggregation_mode.name == "PREFILL":
-            session = str(req.mooncake_session_id)
-            try:
-                blocks = aux_row_blocks(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, dst_aux_ptrs,
-                                        int(prefill_aux_index), int(req.dst_aux_index))
-                if blocks:
-                    self._verify_add_blocks(session, blocks)
-            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-                logger.exception("verified transfers: digest of the aux rows over TCP failed; the room goes unverified")
-                self._verify_mark_unplaced(session, "digest raised")
+        self._verify_rows_over_tcp(str(req.mooncake_session_id), lambda: dst_aux_ptrs,
+                                   prefill_aux_index, req.dst_aux_index)
         return super().send_aux_tcp(req, prefill_aux_index, dst_aux_ptrs, *args, **kwargs)
 
     def _verify_engine_write(self, session, blocks) -> None:
         """An engine write outside ``_transfer_data`` (prefill transfer threads). Must never raise."""
-        if self.disaggregation_mode.name != "PREFILL" or not blocks.shape[0]:
-            return
-        try:
-            self._verify_add_blocks(str(session), blocks)
-        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-            logger.exception("verified transfers: digest of a Mooncake engine write failed; the room goes unverified")
-            self._verify_mark_unplaced(str(session), "digest raised")
+        if self.disaggregation_mode.name == "PREFILL":
+            self._verify_write(str(session), lambda: blocks, "a Mooncake engine write")
 
     # -- releases without the common status codec (up to 0.5.19) ----------------
     def sync_status_to_decode_endpoint(self, remote, dst_port, room, status, prefill_rank):

@@ -44,7 +44,6 @@ from sglang_disagg_ext.backends.transfer_verify import (
     state_lists,
 )
 from sglang_disagg_ext.core import digest as dg
-from sglang_disagg_ext.core.aux_rows import aux_row_blocks
 
 
 def _room_of(item) -> Optional[int]:
@@ -114,13 +113,8 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
     def _verify_mori_write(self, peer: str, blocks: Optional[np.ndarray]) -> None:
         """One batch about to go to MoRI (transfer worker thread, prefill). Must never
         raise: a digest that cannot be taken leaves the room unverified."""
-        if self.disaggregation_mode.name != "PREFILL" or blocks is None or not blocks.shape[0]:
-            return
-        try:
-            self._verify_add_blocks(peer, blocks)
-        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-            logger.exception("verified transfers: digest of a MoRI transfer failed; the room goes unverified")
-            self._verify_mark_unplaced(peer, "digest raised")
+        if self.disaggregation_mode.name == "PREFILL":
+            self._verify_write(peer, lambda: blocks, "a MoRI transfer")
 
     def send_aux_tcp(self, peer_info, prefill_aux_index, dst_aux_index, room, *args, **kwargs):
         """Stock's metadata rows over TCP, digested first as the blocks an RDMA write would have.
@@ -129,18 +123,9 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         sends each metadata row as an ``AUX_DATA`` message to ``peer_info``'s decode; result
         and exceptions are stock's; the digest never raises into it.
         """
-        if self._verify_on and self.disaggregation_mode.name == "PREFILL":
-            peer = str(peer_info.engine_key)
-            try:
-                blocks = aux_row_blocks(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
-                                        [int(d.data) for d in peer_info.dst_aux_mem_descs or []],
-                                        int(prefill_aux_index), int(dst_aux_index))
-                if blocks:
-                    self._verify_add_blocks(peer, blocks)
-            except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-                logger.exception("verified transfers: digest of the metadata rows over TCP failed; "
-                                 "the room goes unverified")
-                self._verify_mark_unplaced(peer, "digest raised")
+        self._verify_rows_over_tcp(str(peer_info.engine_key),
+                                   lambda: [int(d.data) for d in peer_info.dst_aux_mem_descs or []],
+                                   prefill_aux_index, dst_aux_index)
         return super().send_aux_tcp(peer_info, prefill_aux_index, dst_aux_index, room, *args, **kwargs)
 
     # -- 0.5.13-0.5.19: MoRI's own status message --------------------------------------

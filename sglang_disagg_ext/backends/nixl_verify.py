@@ -408,15 +408,11 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
         never raise: a digest that cannot be taken leaves the room unverified."""
         if self.disaggregation_mode.name != "PREFILL":
             return
-        try:
-            if blocks is None and not peer:  # the decode is unknown: no digest for any of the room's
-                room = getattr(self._verify_tls, "room", None)
-                for session in list(self.transfer_infos.get(room, {}) or {}) if room is not None else ():
-                    self._verify_mark_unplaced(session, why or "unknown blocks")
-            elif blocks is None:
-                self._verify_mark_unplaced(peer, why or "unknown blocks")
-            elif blocks.shape[0]:
-                self._verify_add_blocks(peer, blocks)
-        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
-            logger.exception("verified transfers: digest of a NIXL transfer failed; the room goes unverified")
-            self._verify_mark_unplaced(peer, "digest raised")
+        if blocks is not None:
+            self._verify_write(peer, lambda: blocks, "a NIXL transfer")
+        elif peer:
+            self._verify_mark_unplaced(peer, why or "unknown blocks")
+        else:  # the decode is unknown: no digest for any of the room's
+            room = getattr(self._verify_tls, "room", None)
+            for session in list(self.transfer_infos.get(room, {}) or {}) if room is not None else ():
+                self._verify_mark_unplaced(session, why or "unknown blocks")

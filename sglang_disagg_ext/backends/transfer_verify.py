@@ -48,7 +48,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
 from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest, span_digests
 from sglang_disagg_ext.core import digest as dg
+from sglang_disagg_ext.core.aux_rows import aux_row_blocks
 
 logger = logging.getLogger("sglang_disagg_ext.verify")
 
@@ -336,6 +337,30 @@ class VerifiedTransferMixin:
         partial = self._verify_partial(session)
         if partial is not None and partial.unplaced is None:
             partial.unplaced = why
+
+    def _verify_write(self, session: str, blocks_of: Callable[[], object], what: str) -> None:
+        """Add the blocks ``blocks_of()`` gives (``(src, dst, length)`` rows; None or empty:
+        nothing) to the room's partial for decode ``session``. Called on the prefill's
+        transfer threads just before the engine (or the TCP send) reads the source.
+        Never raises: a digest that cannot be taken is logged and leaves the room
+        unverified for that decode, and the transfer goes on as stock's."""
+        try:
+            blocks = blocks_of()
+            if blocks is not None and len(blocks):
+                self._verify_add_blocks(session, blocks)
+        except Exception:  # noqa: BLE001 - verification must never fail a transfer by itself
+            logger.exception("verified transfers: digest of %s failed; the room goes unverified", what)
+            self._verify_mark_unplaced(session, "digest raised")
+
+    def _verify_rows_over_tcp(self, session: str, dst_aux_ptrs_of: Callable[[], List[int]],
+                              src_row: int, dst_row: int) -> None:
+        """The metadata rows a ``send_aux_tcp`` is about to send, digested as the blocks an
+        RDMA write would have been (row ``src_row`` of each prefill buffer to row ``dst_row``
+        of decode's buffer of the same index). Prefill only; never raises."""
+        if self._verify_on and self.disaggregation_mode.name == "PREFILL":
+            self._verify_write(session, lambda: aux_row_blocks(
+                self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, dst_aux_ptrs_of(),
+                int(src_row), int(dst_row)), "the metadata rows over TCP")
 
     def _verify_add_blocks(self, session: str, blocks) -> None:
         partial = self._verify_partial(session)
