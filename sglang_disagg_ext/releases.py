@@ -596,17 +596,15 @@ class SGLangFeatures:
         return {"conclude_transfer", "parse_kv_status_message"} <= called
 
     @functools.cached_property
-    def mori_own_status_message(self) -> bool:
-        """Whether MoRI's manager builds its own status message (``notify_decode_status``:
-        guard, room, status, rank, reason), reads it in ``_start_decode_thread``'s worker by
-        position (a trailing frame is never read) and feeds its transfers through
-        ``_transfer_worker``'s queue: 0.5.13-0.5.19 (0.5.16 mori/conn.py:647, :583, :435).
-        0.5.10.post1-0.5.12.x have the message but no transfer-worker queue; 0.5.20+ use
-        the common codec (:attr:`mori_status_codec`)."""
-        text = _stock_disaggregation_source("mori/conn.py")
-        tree = ast.parse(text) if text else None
-        defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} if tree else set()
-        return {"notify_decode_status", "_start_decode_thread", "_transfer_worker"} <= defined
+    def mori_unique_prefill_rank(self) -> bool:
+        """Whether MoRI's status message names the prefill rank by
+        ``_compute_prefill_unique_rank()`` (TP, PP and CP ranks) and goes out on the
+        thread-local ``_connect_threadsafe`` socket (0.5.12.post1 mori/conn.py:530, :421, :553;
+        0.5.19 :862). 0.5.10.post1-0.5.11 send ``attn_tp_rank * pp_size + pp_rank`` on the
+        manager's ``_connect`` socket (0.5.11 mori/conn.py:411, :417). Read by
+        ``mori_verify``, which sends that message itself where it adds the digest."""
+        return (_stock_method_ast("mori/conn.py", "MoriKVManager", "_compute_prefill_unique_rank") is not None
+                and _stock_method_ast("mori/conn.py", "MoriKVManager", "_connect_threadsafe") is not None)
 
     @functools.cached_property
     def nixl_refuses_dsv4_state(self) -> bool:

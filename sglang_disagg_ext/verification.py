@@ -50,11 +50,10 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
             # exchange (mooncake_peers) sends to an -ext decode; without it, nowhere.
             out[ext] = (f"SGLang {policy.version} has no common status codec (parse_kv_status_message, "
                         "0.5.20+) and these sources carry F6 and F9, whose peer exchange would carry the digest")
-        elif base == "mori" and (policy.is_live("F3") or not (
-                releases.features().mori_status_codec or releases.features().mori_own_status_message)):
+        elif base == "mori" and not (
+                releases.features().mori_status_codec or releases.features().mori_sender_notifies_status):
             out[ext] = (f"MoRI on SGLang {policy.version} concludes rooms neither through SGLang's common "
-                        "status codec (0.5.20+) nor through its own status message with a transfer-worker "
-                        "queue (0.5.13-0.5.19; F3's own wire format on 0.5.12.x)")
+                        "status codec (0.5.20+) nor through its own status message (up to 0.5.19)")
         elif base == "nixl" and not (releases.features().nixl_success_via_listener_only
                                      or releases.features().nixl_success_via_notifications_only):
             # One way in, one digest: the status message (0.5.23) or the aux notification

@@ -687,7 +687,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     if not policy.is_live("F3"):
         return {}
     return {
-        "MoriKVManager": MoriExtKVManager,
+        "MoriKVManager": _with_verification(MoriExtKVManager, policy),
         "MoriKVSender": MoriExtKVSender,
         "MoriKVReceiver": MoriExtKVReceiver,
         "MoriKVBootstrapServer": MoriExtKVBootstrapServer,

@@ -13,8 +13,8 @@ Everything else (placement, partials, the status frame, decode's check) is
 :mod:`.transfer_verify`'s.
 
 Where MoRI concludes rooms through SGLang's common status codec (0.5.20+, probe
-``mori_status_codec``) the digest rides there as for the other engines. On 0.5.13-0.5.19
-(probe ``mori_own_status_message``) MoRI builds its own status message
+``mori_status_codec``) the digest rides there as for the other engines. Up to 0.5.19
+(probe ``mori_sender_notifies_status``) MoRI builds its own status message
 (``notify_decode_status``: guard, room, status, rank, reason) and its decode worker reads
 it by position, never past the reason: the digest goes as one more trailing frame to
 every decode (stock ignores it), and the ``-ext`` decode reads it through a socket
@@ -102,10 +102,29 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
             return super()._transfer_worker(queue, *args, **kwargs)
         return super()._transfer_worker(RoomQueue(queue, self, _room_of), *args, **kwargs)
 
+    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
+        """Stock ``add_transfer_request`` with the room noted for the writes it makes.
+
+        Contract: prefill scheduler thread, once per chunk (from the sender's ``send``).
+        Up to 0.5.12.x it issues the chunk's ``batch_write`` calls itself (no transfer-worker
+        queue, whose view notes the room from 0.5.13): the room is this thread's for the
+        call and restored after. Arguments, result and exceptions are stock's.
+        """
+        if not self._verify_on:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        tls = self._verify_tls
+        outer, tls.room = getattr(tls, "room", None), bootstrap_room
+        try:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        finally:
+            tls.room = outer
+
     def _verify_dst_pointers(self, info) -> Tuple[List[int], List[int], List[List[int]]]:
         """MoRI registers decode's buffers as memory descriptors: their addresses."""
         def addrs(descs):
-            return [int(d.data) for d in descs or []]
+            # F3's per-component registration lists None for a zero-length state tensor
+            # (0.5.12.x, backends.mori): 0 keeps the buffer's index and places nothing there.
+            return [int(d.data) if d is not None else 0 for d in descs or []]
 
         states = state_lists(getattr(info, "dst_state_mem_descs", None))
         return addrs(info.dst_kv_mem_descs), addrs(info.dst_aux_mem_descs), [addrs(s) for s in states]
@@ -128,13 +147,14 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
                                    prefill_aux_index, dst_aux_index)
         return super().send_aux_tcp(peer_info, prefill_aux_index, dst_aux_index, room, *args, **kwargs)
 
-    # -- 0.5.13-0.5.19: MoRI's own status message --------------------------------------
+    # -- up to 0.5.19: MoRI's own status message ----------------------------------------
     def notify_decode_status(self, infos, bootstrap_room, status, failure_reason=None):
         """Stock's status message; a Success carries each decode endpoint's digest as one
         more trailing frame.
 
         Contract: prefill only, up to 0.5.19 (0.5.20+ conclude through the common codec):
-        the sender calls it once when a room concludes, with the room's ``TransferInfo``s
+        the sender (its ``poll`` up to 0.5.12.x, a transfer worker from 0.5.13) calls it once
+        when a room concludes, with the room's ``TransferInfo``s
         (one per decode engine; the room's partials are keyed by their ``engine_key``).
         Stock's frames (guard, room, status, rank, reason or empty) go out unchanged and
         in order; stock's decode worker reads them by position and never the one after.
@@ -155,15 +175,17 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         by_target: Dict[Tuple[str, int], dict] = {}
         for info in infos:
             by_target.setdefault((info.endpoint, int(info.dst_port)), {})[str(info.engine_key)] = info
+        if releases.features().mori_unique_prefill_rank:
+            rank, connect = self._compute_prefill_unique_rank(), self._connect_threadsafe
+        else:  # 0.5.10.post1-0.5.11 (mori/conn.py:411, :417)
+            rank, connect = self.attn_tp_rank * self.pp_size + self.pp_rank, self._connect
         stock = [MORI_GUARD, str(bootstrap_room).encode("ascii"), str(int(status)).encode("ascii"),
-                 str(self._compute_prefill_unique_rank()).encode("ascii"),
-                 failure_reason.encode("utf-8") if failure_reason else b""]
+                 str(rank).encode("ascii"), failure_reason.encode("utf-8") if failure_reason else b""]
         for target, group in by_target.items():
             frame = self._verify_frame(bootstrap_room, target, group, partials)
             try:
                 na = NetworkAddress(*target)
-                self._connect_threadsafe(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
-                    stock + ([frame] if frame is not None else []))
+                connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(stock + ([frame] if frame is not None else []))
             except Exception:  # noqa: BLE001 - as stock: the room's status stays what it is
                 logger.exception("Failed to sync status %s to decode endpoint %s:%s for room %s",
                                  status, target[0], target[1], bootstrap_room)

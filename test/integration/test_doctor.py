@@ -86,16 +86,11 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
 # most 4 fields before 0.5.20, at most 5 from 0.5.20 ("<room>_aux_nokv_<pp>_<expected>"), so the digest rides
 # there as one more). MoRI where it concludes
 # rooms through that codec (0.5.20+: conclude_transfer / parse_kv_status_message in mori/conn.py) or through
-# its own status message with a transfer-worker queue (0.5.13-0.5.19: notify_decode_status, _start_decode_thread,
-# _transfer_worker); not 0.5.10.post1-0.5.11 (no _transfer_worker) nor 0.5.12.x (F3's own wire format).
-_MOONCAKE = {"mooncake-ext"}
-_MOONCAKE_MORI = {"mooncake-ext", "mori-ext"}
-VERIFY_AVAILABLE = {
-    **{r: _MOONCAKE | {"nixl-ext"} for r in ("0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1")},
-    **{r: _MOONCAKE_MORI | {"nixl-ext"} for r in ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1",
-                                                  "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
-    **{r: _MOONCAKE_MORI | {"nixl-ext"} for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
-}
+# its own status message (up to 0.5.19: MoriKVManager.notify_decode_status, whose decode worker reads guard,
+# room, status, rank and reason by position, never a frame after: 0.5.11 mori/conn.py:398-420, :357-368).
+VERIFY_AVAILABLE = {r: {"mooncake-ext", "nixl-ext", "mori-ext"} for r in (
+    "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15",
+    "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")}
 
 
 @pytest.mark.timeout(150)

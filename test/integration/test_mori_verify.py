@@ -1,4 +1,5 @@
-"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), 0.5.13+ (CI: 0.5.23).
+"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), every supported release
+(CI: 0.5.10.post1, 0.5.11, 0.5.12.post1 with F3's classes, 0.5.23).
 
 MoRI's engine needs its RDMA stack, which this machine does not have: both sides run
 SGLang's real MoRI managers over the MoRI stand-in (``test/support/mori_standin``, the
@@ -14,9 +15,11 @@ byte itself.
 
 * Stock ``mori`` and unverified ``mori-ext``: Success with the wrong byte.
 * Verified ``mori-ext``: Failed naming component, decode buffer and prefill rank(s), for
-  KV, the aux row, each state kind, TP 2->1 and 1->2 (KV).
-* No false alarm: random valid transfers (every state kind at equal TP; KV across TP
-  sizes, where stock MoRI refuses SWA state), all Success and byte-checked, all counted.
+  KV, the aux row, each state kind, TP 2->1 and 1->2 (KV). MoRI sends no hybrid state
+  before 0.5.12 (F3 n/a): there the state cases are n/a.
+* No false alarm: random valid transfers (every state kind at equal TP where MoRI sends
+  state; KV across TP sizes, where stock MoRI refuses SWA state), all Success and
+  byte-checked, all counted.
 
 MoRI's prefill never reads decode's mismatch notice (no ``_handle_abort_notification`` in
 its bootstrap loop): prefill is not told, and nothing is counted there.
@@ -53,6 +56,8 @@ pytestmark = [
 ]
 
 VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
+# MoRI's hybrid-state send arrived in 0.5.12 (F3); before it a request's state is never sent.
+NO_STATE = POLICY.fixes.get("F3") is releases.FixStatus.NA
 
 
 def _env(**extra) -> dict:
@@ -67,6 +72,22 @@ def _flip_env(component: str, buffer: int, page: int, prefill_tp: int = 1) -> di
 
 CASES = flip_cases("mori")
 
+# releases.features().mori_unique_prefill_rank, read by hand: MoriKVManager defines both
+# _compute_prefill_unique_rank and _connect_threadsafe (0.5.12.post1 mori/conn.py:530, :421;
+# 0.5.16 :637, :460; 0.5.19 :839, :615); 0.5.10.post1/0.5.11 neither (the status message's rank is
+# attn_tp_rank * pp_size + pp_rank, :411); 0.5.20-0.5.23 only _connect_threadsafe (no own message).
+UNIQUE_RANK = {"0.5.10.post1": False, "0.5.11": False, "0.5.12.post1": True, "0.5.16": True, "0.5.19": True,
+               "0.5.20": False, "0.5.21": False, "0.5.22": False, "0.5.23": False}
+
+
+@pytest.mark.timeout(30)
+def test_status_message_rank_probe_matches_the_wheel_read_by_hand():
+    """The probe the verifying prefill's own status message (up to 0.5.19) rests on for the rank
+    it names and the socket it sends on; it reads the source (no MoRI engine needed)."""
+    if POLICY.version not in UNIQUE_RANK:
+        pytest.skip(f"n/a: not read by hand for SGLang {POLICY.version}")
+    assert releases.features().mori_unique_prefill_rank is UNIQUE_RANK[POLICY.version]
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["mori", "mori-ext"])
@@ -79,6 +100,8 @@ def test_landed_flip_goes_unnoticed_without_verification(backend):
 @pytest.mark.parametrize("case", list(CASES))
 def test_landed_flip_fails_the_room_with_verification(case):
     build, component, buffer, page, ranks = CASES[case]
+    if NO_STATE and component.startswith("state"):
+        pytest.skip(f"n/a: MoRI on SGLang {POLICY.version} sends no hybrid state (F3 n/a)")
     scn = build()
     result = run_scenario(scn, "mori-ext", extra_env={**VERIFY, **_flip_env(component, buffer, page, scn.prefill_tp)})
     # MoRI's prefill cannot hear decode's notice: not told, nothing counted there.
@@ -133,7 +156,8 @@ def test_no_false_alarm_over_random_transfers(shape):
     p, d = (1, 1) if equal else tuple(int(x) for x in shape[2:].split("->"))
     n = n if equal else max(8, n // 4)
     page_size = 4 if shape == "tp1 page4" else 1
-    scenario = random_scenario(random.Random(61 + 7 * p + d + page_size), n, page_size, KINDS if equal else (),
+    scenario = random_scenario(random.Random(61 + 7 * p + d + page_size), n, page_size,
+                               KINDS if equal and not NO_STATE else (),
                                f"mori verify: {n} random transfers, page size {page_size}, tp{p}->tp{d}",
                                kv_heads=(HEADS, HEAD_DIM), state_heads=(HEADS, HEAD_DIM), prefill_tp=p, decode_tp=d)
     result = run_scenario(scenario, "mori-ext", extra_env=_env(**VERIFY), timeout_s=max(240, n * 0.8))
@@ -146,9 +170,13 @@ def test_no_false_alarm_over_random_transfers(shape):
 @pytest.mark.timeout(180)
 def test_a_verifying_prefill_leaves_a_stock_decode_as_stock():
     """A verifying ``mori-ext`` prefill with a stock ``mori`` decode: the digest is one more
-    trailing frame of the status message (the common codec's on 0.5.20+, MoRI's own on
-    0.5.13-0.5.19), which stock's decode never reads. Three requests, every one Success
-    with every byte right; nothing counted as verified on decode."""
+    trailing frame of the status message (the common codec's on 0.5.20+, MoRI's own up to
+    0.5.19), which stock's decode never reads. Three requests, every one Success
+    with every byte right; nothing counted as verified on decode. Where F3 is live
+    (0.5.12.x) mori-ext speaks its own per-component wire and refuses a stock decode at
+    registration (test_mori_ext): n/a there."""
+    if POLICY.fixes.get("F3") is releases.FixStatus.LIVE:
+        pytest.skip(f"n/a: on SGLang {POLICY.version} mori-ext (F3) refuses a stock decode at registration")
     build, _, _, _, _ = CASES["kv"]
     assert_stock_decode_served(run_scenario(three_rooms(build()), "mori-ext", decode_backend="mori",
                                             extra_env=_env(**VERIFY)))
