@@ -33,6 +33,7 @@ carries a verified prefill's digest with a Success (issue 16,
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
@@ -219,16 +220,17 @@ class PeerPoolsMixin:
         self._send_status_with(remote, dst_port, room, status, prefill_rank,
                                REASON_PREFIX + str(reason).encode("utf-8", "replace"))
 
-    def _send_status_with(self, remote, dst_port, room, status, prefill_rank, extra: bytes) -> None:
+    def _send_status_with(self, remote, dst_port, room, status, prefill_rank, extra: bytes, *more: bytes) -> None:
         """Stock's status message to a decode endpoint (up to 0.5.19 ``sync_status_to_decode_endpoint``
-        sends the same three frames: room, status, prefill rank) plus one fourth frame ``extra``
-        (a reason here, a digest in ``mooncake_verify``), which only an ``-ext`` decode's filter
-        takes off. Raises what stock's send raises."""
+        sends the same three frames: room, status, prefill rank) plus a fourth frame ``extra``
+        (a reason here, a digest in ``mooncake_verify``, then ``more``: its reply address),
+        which only an ``-ext`` decode's filter takes off. Raises what stock's send raises."""
         from sglang.srt.utils.network import NetworkAddress
 
         na = NetworkAddress(remote, dst_port)
         self._connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(
-            [str(room).encode("ascii"), str(int(status)).encode("ascii"), str(prefill_rank).encode("ascii"), extra]
+            [str(room).encode("ascii"), str(int(status)).encode("ascii"), str(prefill_rank).encode("ascii"), extra,
+             *more]
         )
 
     def start_decode_thread(self):
@@ -249,22 +251,25 @@ class PeerPoolsMixin:
     def _take_status_frame(self, msg):
         """A status message's fourth frame from an ``-ext`` prefill (reason or digest), taken
         off; None for any other message (handed on unchanged)."""
-        if len(msg) != 4:
+        if len(msg) not in (4, 5):
             return None
         extra = bytes(msg[3])
+        if len(msg) == 5 and not extra.startswith(DIGEST_PREFIX):
+            return None
         if extra.startswith(REASON_PREFIX):
             room = int(bytes(msg[0]).decode("ascii"))
             self._peer_reasons[room] = extra[len(REASON_PREFIX):].decode("utf-8", "replace")
             return msg[:3]
         if extra.startswith(DIGEST_PREFIX):
             self._keep_digest_frame(int(bytes(msg[0]).decode("ascii")), int(bytes(msg[2]).decode("ascii")),
-                                    extra[len(DIGEST_PREFIX):])
+                                    extra[len(DIGEST_PREFIX):], bytes(msg[4]) if len(msg) == 5 else None)
             return msg[:3]
         return None
 
-    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
-        """A prefill rank's digest for ``room`` (decode's status thread); the verified-transfer
-        mixin keeps it. Here (not verifying: this decode never asked for one) it is dropped."""
+    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes, reply: Optional[bytes]) -> None:
+        """A prefill rank's digest for ``room`` and its reply address (None where it sent none;
+        decode's status thread); the verified-transfer mixin keeps them. Here (not verifying:
+        this decode never asked for one) they are dropped."""
 
     def record_failure(self, bootstrap_room, failure_reason):
         """Stock ``record_failure``; on decode, prefill's own reason where it sent one.

@@ -17,8 +17,9 @@ frames. There the digest rides as the fourth frame that :mod:`.mooncake_peers` a
 uses for failure reasons (``DIGEST_PREFIX``), sent only to a decode whose registration
 said it reads digests (an ``-ext`` decode with verification on: it takes the frame off
 before stock reads the message); any other decode gets stock's three frames and the
-room goes unverified there. Prefill is not told of a mismatch on those releases (its
-bootstrap loop takes no notices).
+room goes unverified there; prefill's reply address follows the digest as a fifth frame.
+Before 0.5.22 stock's bootstrap loop takes no notices: ``start_prefill_thread`` starts it
+on a socket filter that takes decode's mismatch notice first.
 
 The aux row over TCP (``send_aux_tcp``: ``SGLANG_MOONCAKE_SEND_AUX_TCP``, or an NVLink
 pool) is no engine write: its rows are digested as the blocks an RDMA write would have
@@ -154,11 +155,29 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
             frame = self._verify_frame(room, target, infos, partials)
         if frame is None:
             return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
-        self._send_status_with(remote, dst_port, room, status, prefill_rank, DIGEST_PREFIX + frame)
+        reply = self._verify_reply_frame()
+        self._send_status_with(remote, dst_port, room, status, prefill_rank, DIGEST_PREFIX + frame,
+                               *([reply] if reply is not None else []))
 
-    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes) -> None:
+    def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes, reply) -> None:
         """Contract: decode's status thread (through :mod:`.mooncake_peers`' socket filter, up
-        to 0.5.19) hands each Success's digest frame here before stock reads the message;
-        :meth:`update_status` checks it when stock concludes the room. Must not raise."""
+        to 0.5.19) hands each Success's digest frame (and prefill's reply address, or None)
+        here before stock reads the message; :meth:`update_status` checks it when stock
+        concludes the room. Must not raise."""
         if self._verify_on:
             self._verify_keep_frame(room, prefill_rank, frame)
+            if reply is not None:
+                self._verify_keep_reply(room, prefill_rank, reply)
+
+    def start_prefill_thread(self, *args, **kwargs):
+        """Stock's prefill bootstrap thread, reading through a filter that takes decode's
+        mismatch notices where stock's loop does not (before 0.5.22; see
+        :meth:`.VerifiedTransferMixin._verify_listen_for_notices`).
+
+        Contract: prefill only; SGLang's constructor calls it once, after ``server_socket`` is
+        bound and before any decode can register. Up to 0.5.21 the loop reads
+        ``self.server_socket`` for every message (directly or through ``_make_worker_recv``);
+        every other message reaches it unchanged.
+        """
+        self._verify_listen_for_notices()
+        return super().start_prefill_thread(*args, **kwargs)

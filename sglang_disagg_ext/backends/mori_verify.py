@@ -22,8 +22,10 @@ filter before the worker does. The metadata rows over TCP (``send_aux_tcp``, the
 without RDMA for aux) are no engine write: they are digested as the blocks an RDMA write
 would have (``core.aux_rows.aux_row_blocks``), so decode checks the aux page as on the RDMA
 path (an ``-ext`` decode applies a room's Success after its rows: F12's order).
-MoRI's decode never reads mismatch notices (no ``_handle_abort_notification``), so
-prefill is not told. Tested against the MoRI stand-in (``test/support/mori_standin``):
+MoRI's prefill bootstrap loop never offers decode's messages to
+``_handle_abort_notification``: the ``-ext`` prefill reads its bootstrap socket through a
+filter that takes decode's mismatch notice, and its Success carries the reply address
+(the codec's trailing frame, or one more frame of MoRI's own message). Tested against the MoRI stand-in (``test/support/mori_standin``):
 MoRI's engine cannot run on a machine without its RDMA stack.
 """
 
@@ -102,22 +104,17 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
             return super()._transfer_worker(queue, *args, **kwargs)
         return super()._transfer_worker(RoomQueue(queue, self, _room_of), *args, **kwargs)
 
-    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
-        """Stock ``add_transfer_request`` with the room noted for the writes it makes.
+    def _start_bootstrap_thread(self, *args, **kwargs):
+        """Stock's bootstrap thread, reading through a filter that takes decode's mismatch
+        notices (MoRI's loop never offers them to ``_handle_abort_notification``; see
+        :meth:`.VerifiedTransferMixin._verify_listen_for_notices`).
 
-        Contract: prefill scheduler thread, once per chunk (from the sender's ``send``).
-        Up to 0.5.12.x it issues the chunk's ``batch_write`` calls itself (no transfer-worker
-        queue, whose view notes the room from 0.5.13): the room is this thread's for the
-        call and restored after. Arguments, result and exceptions are stock's.
+        Contract: prefill only, called once from stock's constructor after ``server_socket``
+        is bound; the loop it starts reads ``self.server_socket`` for every message and
+        drops one without MoRI's guard. Every other message reaches it unchanged.
         """
-        if not self._verify_on:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        tls = self._verify_tls
-        outer, tls.room = getattr(tls, "room", None), bootstrap_room
-        try:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        finally:
-            tls.room = outer
+        self._verify_listen_for_notices()
+        return super()._start_bootstrap_thread(*args, **kwargs)
 
     def _verify_dst_pointers(self, info) -> Tuple[List[int], List[int], List[List[int]]]:
         """MoRI registers decode's buffers as memory descriptors: their addresses."""
@@ -181,11 +178,13 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
             rank, connect = self.attn_tp_rank * self.pp_size + self.pp_rank, self._connect
         stock = [MORI_GUARD, str(bootstrap_room).encode("ascii"), str(int(status)).encode("ascii"),
                  str(rank).encode("ascii"), failure_reason.encode("utf-8") if failure_reason else b""]
+        reply = self._verify_reply_frame()
         for target, group in by_target.items():
             frame = self._verify_frame(bootstrap_room, target, group, partials)
+            extra = [] if frame is None else [frame] if reply is None else [frame, reply]
             try:
                 na = NetworkAddress(*target)
-                connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(stock + ([frame] if frame is not None else []))
+                connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(stock + extra)
             except Exception:  # noqa: BLE001 - as stock: the room's status stays what it is
                 logger.exception("Failed to sync status %s to decode endpoint %s:%s for room %s",
                                  status, target[0], target[1], bootstrap_room)
@@ -206,10 +205,14 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         return super()._start_decode_thread()
 
     def _verify_note_status(self, msg):
-        """A status message ``[guard, room, status, rank, reason, digest]``: keep the digest of a
-        Success for the room; None (every message goes on unchanged)."""
+        """A status message ``[guard, room, status, rank, reason, digest(, reply)]``: keep a
+        Success's digest (and prefill's reply address) for the room; None (every message goes
+        on unchanged)."""
         if len(msg) >= 6 and bytes(msg[0]) == self._verify_guard and int(bytes(msg[2]).decode("ascii")) == _SUCCESS:
             frame = bytes(msg[5])
             if frame.startswith(dg.FRAME_MAGIC):
-                self._verify_keep_frame(int(bytes(msg[1]).decode("ascii")), int(bytes(msg[3]).decode("ascii")), frame)
+                room, rank = int(bytes(msg[1]).decode("ascii")), int(bytes(msg[3]).decode("ascii"))
+                self._verify_keep_frame(room, rank, frame)
+                if len(msg) >= 7:
+                    self._verify_keep_reply(room, rank, bytes(msg[6]))
         return None

@@ -31,10 +31,10 @@ How the digest travels depends on how the decode learns a room's Success:
   room in ``check_transfer_done`` when stock would conclude it, before it does; a mismatch
   moves the room to Failed, which the next poll reads. NIXL
   delivers a notification after its transfer's bytes landed, and the room is done only
-  when every transfer's notification arrived. Where prefill's bootstrap loop takes decode's
-  notices (0.5.19+, ``releases.stock_bootstrap_reads_notices``), prefill's reply address rides
-  in the same field (``.<base64>`` after the digest) and decode tells it of a mismatch, as on
-  0.5.23; before 0.5.19 prefill is not told.
+  when every transfer's notification arrived. Prefill's reply address rides in the same
+  field (``.<base64>`` after the digest) and decode tells it of a mismatch, as on 0.5.23;
+  before 0.5.19 (``releases.stock_bootstrap_reads_notices``) stock's bootstrap loop takes no
+  notices and ``_start_bootstrap_thread`` starts it on a socket filter that takes them.
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
@@ -261,23 +261,18 @@ class NixlVerifiedTransferMixin(VerifiedTransferMixin):
             cached = self.__dict__["_verify_notifs_path"] = releases.features().nixl_success_via_notifications_only
         return cached
 
-    # -- prefill, notification path ------------------------------------------------
-    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
-        """Stock request with the room noted for the digest of the writes it creates.
+    # -- prefill ----------------------------------------------------------------------
+    def _start_bootstrap_thread(self, *args, **kwargs):
+        """Stock's bootstrap thread, reading through a filter that takes decode's mismatch
+        notices where stock's loop does not (before 0.5.19; see
+        :meth:`.VerifiedTransferMixin._verify_listen_for_notices`).
 
-        Contract: prefill scheduler thread, per chunk (``NixlKVSender.send``). Up to 0.5.11
-        stock posts the room's transfers here, on this thread; on 0.5.12.x it only
-        enqueues them (the transfer worker's queue notes the room there). Result and
-        exceptions are the wrapped method's.
+        Contract: prefill only, called once from stock's constructor after ``server_socket``
+        is bound; the loop it starts reads ``self.server_socket`` for every message. Every
+        other message reaches it unchanged.
         """
-        if not self._verify_on:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        previous = getattr(self._verify_tls, "room", None)
-        self._verify_tls.room = bootstrap_room
-        try:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        finally:
-            self._verify_tls.room = previous
+        self._verify_listen_for_notices()
+        return super()._start_bootstrap_thread(*args, **kwargs)
 
     def _verify_notif_digest(self, peer: str, tag):
         """Prefill, as a WRITE transfer to ``peer`` is created with notification ``tag``: for

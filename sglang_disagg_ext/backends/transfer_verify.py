@@ -26,11 +26,14 @@ decode pages and compares it with the sum of the ranks' partials, per
 (component, buffer). A mismatch ends the room Failed with a reason naming the
 component, buffer and source rank(s) and is counted
 (``verify_mismatches_total{component}``). Prefill has already concluded the
-room as Success (and released its pages), so it is told for the record: where its
-bootstrap loop hands decode's messages to ``_handle_abort_notification`` first
-(NIXL 0.5.20+, Mooncake 0.5.22+), its Success carries one more trailing frame with
-its bootstrap address, and decode sends a notice there naming room, decode rank and
-reason; prefill logs it and counts ``verify_mismatch_reports_total``.
+room as Success (and released its pages), so it is told for the record: its Success
+carries one more trailing frame with its bootstrap address, and decode sends a notice
+there naming room, decode rank and reason (from a PUSH socket of its own, per thread);
+prefill logs it and counts ``verify_mismatch_reports_total``. Where stock's bootstrap
+loop hands decode's messages to ``_handle_abort_notification`` first (NIXL 0.5.19+,
+Mooncake 0.5.22+, ``releases.stock_bootstrap_reads_notices``) the notice is taken
+there; elsewhere each adapter starts stock's bootstrap thread on a socket filter that
+takes it (:meth:`VerifiedTransferMixin._verify_listen_for_notices`).
 
 A room is left unverified (counted as ``verified_transfers_total{result="unverified"}``,
 never failed) when some source rank sent no frame (a stock or non-verifying
@@ -52,10 +55,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+import zmq
 
 from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
+from sglang_disagg_ext.backends.shared import FilteringSocket
 from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest, span_digests
 from sglang_disagg_ext.core import digest as dg
 from sglang_disagg_ext.core.aux_rows import aux_row_blocks
@@ -322,6 +327,24 @@ class VerifiedTransferMixin:
             return super().transfer_worker(queue, *args, **kwargs)
         return super().transfer_worker(RoomQueue(queue, self), *args, **kwargs)
 
+    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
+        """Stock ``add_transfer_request`` with the room noted for the writes it makes.
+
+        Contract: prefill scheduler thread, once per chunk (from the sender's ``send``).
+        Where the release issues the chunk's writes here, on this thread (NIXL up to 0.5.11,
+        MoRI up to 0.5.12.x: no transfer-worker queue), the room is this thread's for the
+        call and restored after; where it only enqueues the chunk, the worker's queue view
+        notes it (:meth:`transfer_worker`). Arguments, result and exceptions are stock's.
+        """
+        if not self._verify_on:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        tls = self._verify_tls
+        outer, tls.room = getattr(tls, "room", None), bootstrap_room
+        try:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        finally:
+            tls.room = outer
+
     def _verify_room(self, session: str) -> Optional[int]:
         room = getattr(self._verify_tls, "room", None)
         return room if room is not None else self._verify_session_room.get(session)
@@ -514,6 +537,22 @@ class VerifiedTransferMixin:
                 parts.append(reply)
         return parts
 
+    def _verify_listen_for_notices(self) -> None:
+        """Prefill: take decode's mismatch notices off the bootstrap socket where stock's loop
+        does not offer its messages to ``_handle_abort_notification``. Each adapter calls it
+        from its override of the method that starts stock's bootstrap thread (once, scheduler
+        thread, after ``server_socket`` is bound and before any decode knows this prefill);
+        that loop reads ``self.server_socket`` for every message."""
+        if (self._verify_on and self.disaggregation_mode.name == "PREFILL"
+                and not releases.stock_bootstrap_reads_notices(type(self))):
+            self.server_socket = FilteringSocket(self.server_socket, self._verify_take_notice, logger)
+            self.__dict__["_verify_listening"] = True
+
+    def _verify_take_notice(self, msg):
+        """The bootstrap socket filter: a mismatch notice is taken here, every other message
+        goes on to stock's loop unchanged."""
+        return FilteringSocket.CONSUMED if self._verify_notice(msg) else None
+
     def _verify_reply_frame(self) -> Optional[bytes]:
         """Prefill's reply-address frame, built once per manager (it is sent with every
         verified Success; the class and the bound address do not change)."""
@@ -521,7 +560,7 @@ class VerifiedTransferMixin:
         if cached is not None:
             return cached or None
         frame = b""
-        if releases.stock_bootstrap_reads_notices(type(self)):
+        if self.__dict__.get("_verify_listening") or releases.stock_bootstrap_reads_notices(type(self)):
             host, port = getattr(self, "local_ip", None), getattr(self, "rank_port", None)
             if host and port:
                 frame = REPLY_MAGIC + f"{host}|{int(port)}".encode("utf-8")
@@ -602,11 +641,26 @@ class VerifiedTransferMixin:
             ipv6 = ":" in host
             endpoint = f"tcp://[{host}]:{port}" if ipv6 else f"tcp://{host}:{port}"
             try:
-                self._send_multipart_locked(endpoint, parts, is_ipv6=ipv6)
+                self._verify_notice_socket(endpoint, ipv6).send_multipart(parts, flags=zmq.NOBLOCK)
             except Exception:  # noqa: BLE001 - the room is Failed on decode whatever prefill hears
                 logger.exception("room %s: could not tell prefill %s of the mismatch", room, endpoint)
             else:
                 metrics.count("verify_mismatch_notices_sent_total", prefill=f"{host}:{port}")
+
+    def _verify_notice_socket(self, endpoint: str, ipv6: bool):
+        """This thread's PUSH socket to a prefill's bootstrap address. Its own, not SGLang's
+        cached ones: those are shared with the scheduler thread's sends to the same address
+        (a ZMQ socket is not thread-safe), and releases before 0.5.19 have no locked send."""
+        sockets = self._verify_tls.__dict__.setdefault("sockets", {})
+        sock = sockets.get(endpoint)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            if ipv6:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(endpoint)
+            sockets[endpoint] = sock
+        return sock
 
     # -- prefill: decode's mismatch notice ----------------------------------------
     def _handle_abort_notification(self, msg) -> bool:
@@ -619,19 +673,23 @@ class VerifiedTransferMixin:
         and counted (``verify_mismatch_reports_total``); nothing of the room is left to
         fail here. Must not raise.
         """
-        if msg and bytes(msg[0]) == NOTICE_TAG:
-            try:
-                room = bytes(msg[1]).decode("ascii")
-                rank = bytes(msg[2]).decode("ascii", "replace")
-                reason = bytes(msg[3]).decode("utf-8", "replace")
-            except (IndexError, UnicodeDecodeError):
-                logger.error("verified transfers: malformed mismatch notice of %d frames", len(msg))
-                return True
-            metrics.count("verify_mismatch_reports_total")
-            logger.error("room %s, concluded Success here: decode rank %s failed it on verification: %s",
-                         room, rank, reason)
+        return self._verify_notice(msg) or super()._handle_abort_notification(msg)
+
+    def _verify_notice(self, msg) -> bool:
+        """True for a mismatch notice (logged and counted here), False for any other message."""
+        if not msg or bytes(msg[0]) != NOTICE_TAG:
+            return False
+        try:
+            room = bytes(msg[1]).decode("ascii")
+            rank = bytes(msg[2]).decode("ascii", "replace")
+            reason = bytes(msg[3]).decode("utf-8", "replace")
+        except (IndexError, UnicodeDecodeError):
+            logger.error("verified transfers: malformed mismatch notice of %d frames", len(msg))
             return True
-        return super()._handle_abort_notification(msg)
+        metrics.count("verify_mismatch_reports_total")
+        logger.error("room %s, concluded Success here: decode rank %s failed it on verification: %s",
+                     room, rank, reason)
+        return True
 
     def _verify_check(self, room, frames) -> Optional[str]:
         """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""

@@ -21,8 +21,9 @@ byte itself.
   state; KV across TP sizes, where stock MoRI refuses SWA state), all Success and
   byte-checked, all counted.
 
-MoRI's prefill never reads decode's mismatch notice (no ``_handle_abort_notification`` in
-its bootstrap loop): prefill is not told, and nothing is counted there.
+MoRI's prefill bootstrap loop never offers decode's messages to ``_handle_abort_notification``:
+the ``-ext`` prefill takes decode's mismatch notice through its own socket filter, so prefill is
+told (and counts it) on every release.
 """
 
 import os
@@ -104,8 +105,7 @@ def test_landed_flip_fails_the_room_with_verification(case):
         pytest.skip(f"n/a: MoRI on SGLang {POLICY.version} sends no hybrid state (F3 n/a)")
     scn = build()
     result = run_scenario(scn, "mori-ext", extra_env={**VERIFY, **_flip_env(component, buffer, page, scn.prefill_tp)})
-    # MoRI's prefill cannot hear decode's notice: not told, nothing counted there.
-    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=False)
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True)
 
 
 # The metadata rows over SGLang's TCP path (its default without RDMA aux) where the rows are
@@ -134,7 +134,7 @@ def test_metadata_rows_over_tcp_are_verified(verified):
         assert not req.bytes_verified and any(f"aux buffer {buffer} page {page}" in m for m in req.mismatches), \
             req.mismatches
         return
-    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=False)
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True)
     clean = run_scenario(three_rooms(build()), "mori-ext", extra_env={**selftest_mori.standin_env(aux_rdma=False),
                                                                      **VERIFY})
     assert clean.ok and all(r.decode_status == "Success" and r.bytes_verified for r in clean.requests), \

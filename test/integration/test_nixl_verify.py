@@ -68,16 +68,6 @@ VERIFY = {"SGLANG_DISAGG_EXT_VERIFY": "1"}
 # as host memory themselves; stock, and -ext where it composes over stock's manager (0.5.23),
 # get the harness's shim (harness/nixl_shim.py).
 EXT_NEEDS_SHIM = not POLICY.is_live("F4")
-# Where prefill's bootstrap loop takes decode's notices and decode has the sockets to send them
-# (0.5.19+), decode tells prefill of a mismatch at the reply address that came with the digest
-# (the status message on 0.5.23, the aux notification up to 0.5.22); before 0.5.19 it cannot.
-def _prefill_told() -> bool:
-    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
-
-    return releases.stock_bootstrap_reads_notices(NixlKVManager)
-
-
-PREFILL_TOLD = _prefill_told()
 
 
 def _shim_env(backend: str) -> dict:
@@ -116,7 +106,7 @@ def test_landed_flip_fails_the_room_with_verification(case):
     scn = build()
     result = run_scenario(scn, "nixl-ext",
                           extra_env={**VERIFY, **_flip_env("nixl-ext", component, buffer, page, scn.prefill_tp)})
-    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=PREFILL_TOLD)
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True)
 
 
 # Stock NIXL up to 0.5.12.x serves mamba, swa and nsa state only (a DSv4 component fails the room).

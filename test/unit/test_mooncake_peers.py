@@ -195,14 +195,20 @@ def test_registration_decides_who_gets_digests(three_frame_decode):
 def test_decode_takes_the_digest_frame_off_and_hands_it_on():
     mgr = _mgr(DisaggregationMode.DECODE)
     kept = []
-    mgr._keep_digest_frame = lambda room, rank, frame: kept.append((room, rank, frame))
+    mgr._keep_digest_frame = lambda room, rank, frame, reply: kept.append((room, rank, frame, reply))
     ok = str(int(KVPoll.Success)).encode()
     raw = RecordingSocket(incoming=[[b"1000", ok, b"1", b"sglang-disagg-ext:digest:SDXD-frame-bytes"],
-                                    [b"1001", ok, b"0"]])
+                                    [b"1001", ok, b"0"],
+                                    # prefill's reply address as a fifth frame, after the digest
+                                    [b"1003", ok, b"0", b"sglang-disagg-ext:digest:SDXD-2", b"SDXR1127.0.0.1|7100"],
+                                    # five frames without a digest: not ours, handed on as sent
+                                    [b"1004", ok, b"0", b"x", b"y"]])
     sock = FilteringSocket(raw, mgr._take_status_frame, logging.getLogger("test"))
     assert sock.recv_multipart() == [b"1000", ok, b"1"]  # what stock unpacks
     assert sock.recv_multipart() == [b"1001", ok, b"0"]
-    assert kept == [(1000, 1, b"SDXD-frame-bytes")]
+    assert sock.recv_multipart() == [b"1003", ok, b"0"]
+    assert sock.recv_multipart() == [b"1004", ok, b"0", b"x", b"y"]
+    assert kept == [(1000, 1, b"SDXD-frame-bytes", None), (1003, 0, b"SDXD-2", b"SDXR1127.0.0.1|7100")]
     # Without the verified-transfer mixin (this decode never asked for one) it is dropped.
     plain = _mgr(DisaggregationMode.DECODE)
     assert plain._take_status_frame([b"1002", ok, b"0", b"sglang-disagg-ext:digest:x"]) == [b"1002", ok, b"0"]
