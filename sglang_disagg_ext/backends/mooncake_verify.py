@@ -27,8 +27,8 @@ pool) is no engine write: its rows are digested as the blocks an RDMA write woul
 go on the same cached socket as prefill's Success status, before it, and decode's status
 thread writes them before it reads that status.
 
-Not covered: staging (the destination is decode's staging buffer, not a registered
-pool: the room goes unverified).
+Not covered: staging (the destination is decode's staging ring, not a registered pool: a
+block landing there leaves the room unverified; see ``VerifiedTransferMixin._verify_peer``).
 """
 
 from __future__ import annotations

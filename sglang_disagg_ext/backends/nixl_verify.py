@@ -38,7 +38,8 @@ How the digest travels depends on how the decode learns a room's Success:
 
 Not covered (the room's pages are simply not listed, or the room goes unverified):
 descriptor lists built from tensors (SGLang builds them from addresses), staging
-(the destination is decode's staging buffer, not a registered pool: unverified).
+(the destination is decode's staging ring, not a registered pool: unverified, see
+``VerifiedTransferMixin._verify_peer``).
 Head slices are digested byte by byte (``digest_kernels.span_digest``), slower than
 whole pages.
 """

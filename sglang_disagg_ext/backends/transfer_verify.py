@@ -69,9 +69,10 @@ logger = logging.getLogger("sglang_disagg_ext.verify")
 
 _SUCCESS = 4  # KVPoll.Success (IntEnum, same value on every supported release)
 _FAILED = 0
+STAGING_COMPONENT = -1  # decode's staging ring in its buffer table (never digested)
 # Prefill's address for decode's mismatch notice: a trailing frame after the digest frame
-# ("host|port" of prefill's bootstrap socket), sent only where that socket's loop hands
-# each message to _handle_abort_notification first (releases.stock_bootstrap_reads_notices).
+# ("host|port" of prefill's bootstrap socket), sent where that socket's loop takes decode's
+# notices (stock's from releases.stock_bootstrap_reads_notices, else the -ext filter).
 REPLY_MAGIC = b"SDXR1"
 NOTICE_TAG = b"SDXV_MISMATCH"  # decode -> prefill: [tag, room, decode rank, reason]
 
@@ -297,6 +298,15 @@ class VerifiedTransferMixin:
         state_lens = self._verify_dst_state_lens(info)
         for i, ptrs in enumerate(state_ptrs):
             add(dg.STATE_COMPONENT_BASE + i, ptrs, state_lens[i] if i < len(state_lens) else ())
+        # Decode's staging ring (SGLANG_DISAGG_STAGING_BUFFER, Mooncake and NIXL from 0.5.19;
+        # CUDA/XPU pools only): a staged room is written there and decode scatters it into its
+        # pool itself, after the engine, so no registered page is what prefill wrote. An
+        # unsized entry: a block landing in it leaves the room unverified (never failed),
+        # and it bounds the buffer below it (else a staged block would be read as a page
+        # far past that buffer's end, and decode would fail the room on that page).
+        staging = int(getattr(info, "staging_base_ptr", 0) or 0)
+        if staging:
+            table.append(_Buffer(staging, 1 << 62, STAGING_COMPONENT, 0, 0, None))
         table.sort(key=lambda b: b.start)
         for a, b in zip(table, table[1:]):
             a.end = b.start
@@ -415,8 +425,9 @@ class VerifiedTransferMixin:
         ok &= (src_addr + length <= s_end[si_c]) & (dst_addr < d_end[di_c]) & (n > 0)
         if not ok.all():
             k = int(np.flatnonzero(~ok)[0])
-            partial.unplaced = (f"block src 0x{int(src_addr[k]):x} dst 0x{int(dst_addr[k]):x} len {int(length[k])} "
-                                "not in a registered buffer")
+            where = ("in decode's staging buffer (staged rooms are not verified)"
+                     if di[k] >= 0 and dst_table[di[k]].component == STAGING_COMPONENT else "not in a registered buffer")
+            partial.unplaced = f"block src 0x{int(src_addr[k]):x} dst 0x{int(dst_addr[k]):x} len {int(length[k])} {where}"
             return
         s_off, d_off = src_addr - s_start[si], dst_addr - d_start[di]
         whole = (s_item[si] == n) & (s_off % n == 0) & (d_off % n == 0) & (length % n == 0)
