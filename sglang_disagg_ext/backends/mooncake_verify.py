@@ -155,9 +155,8 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
             frame = self._verify_frame(room, target, infos, partials)
         if frame is None:
             return super().sync_status_to_decode_endpoint(remote, dst_port, room, status, prefill_rank)
-        reply = self._verify_reply_frame()
-        self._send_status_with(remote, dst_port, room, status, prefill_rank, DIGEST_PREFIX + frame,
-                               *([reply] if reply is not None else []))
+        self._send_status_with(remote, dst_port, room, status, prefill_rank,
+                               *self._verify_trailing_frames(DIGEST_PREFIX + frame))
 
     def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes, reply) -> None:
         """Contract: decode's status thread (through :mod:`.mooncake_peers`' socket filter, up

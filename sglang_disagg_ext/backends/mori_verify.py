@@ -178,10 +178,8 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
             rank, connect = self.attn_tp_rank * self.pp_size + self.pp_rank, self._connect
         stock = [MORI_GUARD, str(bootstrap_room).encode("ascii"), str(int(status)).encode("ascii"),
                  str(rank).encode("ascii"), failure_reason.encode("utf-8") if failure_reason else b""]
-        reply = self._verify_reply_frame()
         for target, group in by_target.items():
-            frame = self._verify_frame(bootstrap_room, target, group, partials)
-            extra = [] if frame is None else [frame] if reply is None else [frame, reply]
+            extra = self._verify_trailing_frames(self._verify_frame(bootstrap_room, target, group, partials))
             try:
                 na = NetworkAddress(*target)
                 connect(na.to_tcp(), is_ipv6=na.is_ipv6).send_multipart(stock + extra)

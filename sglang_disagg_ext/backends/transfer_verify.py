@@ -542,11 +542,16 @@ class VerifiedTransferMixin:
         if frame is not None:
             if not self.kv_status_msg_carries_reason:
                 parts.append(b"")  # empty reason: stock reads it as None
-            parts.append(frame)
-            reply = self._verify_reply_frame()
-            if reply is not None:
-                parts.append(reply)
+            parts.extend(self._verify_trailing_frames(frame))
         return parts
+
+    def _verify_trailing_frames(self, frame: Optional[bytes]) -> List[bytes]:
+        """What a Success status carries after stock's frames: the digest ``frame`` and, where
+        this prefill hears decode's notices, its reply address; nothing without a digest."""
+        if frame is None:
+            return []
+        reply = self._verify_reply_frame()
+        return [frame] if reply is None else [frame, reply]
 
     def _verify_listen_for_notices(self) -> None:
         """Prefill: take decode's mismatch notices off the bootstrap socket where stock's loop
