@@ -10,6 +10,7 @@ byte ranges that are not whole items (head slices).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -85,45 +86,65 @@ def _scratch(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def _cpu_item_sums(rows: torch.Tensor, index: Optional[torch.Tensor]) -> np.ndarray:
-    """``v(item)`` of every item (uint64): ``rows`` contiguous, 8-byte aligned, a
-    multiple of 8 bytes wide; with ``index``, of rows ``index`` of ``rows``."""
-    n_words = rows.shape[1] // dg.WORD_BYTES
-    w = _weights(rows.device, n_words, True)
-    if index is None:
-        return np.einsum("ij,j->i", rows.numpy().view(np.uint64), w)  # one pass, wraps mod 2**64
-    n, item_len = index.numel(), rows.shape[1]
-    idx = index.numpy()
+class _RowPlan:
+    """A row index as the CPU kernel uses it: int64 row numbers, their bounds and (on demand)
+    where their contiguous runs break. Built once per index object of a :func:`rows_digests`
+    call and shared by every pool it indexes (a request's layers all take the same rows)."""
+
+    __slots__ = ("idx", "lo", "hi", "_breaks")
+
+    def __init__(self, idx: np.ndarray):
+        self.idx = idx
+        self.lo, self.hi = (int(idx.min()), int(idx.max())) if idx.size else (0, -1)
+        self._breaks = None
+
+    def breaks(self) -> np.ndarray:
+        if self._breaks is None:
+            self._breaks = np.flatnonzero(np.diff(self.idx) != 1) + 1
+        return self._breaks
+
+
+def _host_index(index) -> np.ndarray:
+    """``index`` (any int sequence, array or CPU tensor) as a flat int64 array, no copy where it is one."""
+    if isinstance(index, torch.Tensor):
+        index = index.numpy()
+    return np.asarray(index, dtype=np.int64).reshape(-1)
+
+
+def _cpu_item_sums(pool: np.ndarray, plan: Optional[_RowPlan]) -> np.ndarray:
+    """``v(item)`` of every item (uint64): ``pool`` (uint8, ``(rows, item_len)``) contiguous,
+    8-byte aligned, a multiple of 8 bytes wide; with ``plan``, of rows ``plan.idx`` of ``pool``
+    (:class:`IndexError` for a row outside it: NumPy's indexing would wrap a negative one)."""
+    n_rows, item_len = pool.shape
+    w = _cpu_weights(item_len // dg.WORD_BYTES)
+    if plan is None:
+        return np.einsum("ij,j->i", pool.view(np.uint64), w)  # one pass, wraps mod 2**64
+    if plan.lo < 0 or plan.hi >= n_rows:
+        bad = plan.lo if plan.lo < 0 else plan.hi
+        raise IndexError(f"row {bad} outside {n_rows} rows")
+    idx = plan.idx
+    n = idx.size
     if n * item_len <= _SMALL_GATHER:
         # A few rows (a request's aux row per metadata buffer, one state slot): NumPy's indexed
         # copy and one einsum. The run analysis below costs more than copying them (10 aux rows:
-        # 171 us -> 67 us CPU for the whole call on this project's machine). NumPy's indexing
-        # wraps negative rows, so they are refused first; rows past the end raise IndexError.
-        if n and int(idx.min()) < 0:
-            raise IndexError(f"row {int(idx.min())} outside {rows.shape[0]} rows")
-        return np.einsum("ij,j->i", rows.numpy()[idx].view(np.uint64), w)
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        # 171 us -> 67 us CPU for the whole call on this project's machine).
+        return np.einsum("ij,j->i", pool[idx].view(np.uint64), w)
+    breaks = plan.breaks()
     if (len(breaks) + 1) * _RUN_MIN_BYTES <= n * item_len:
         # Long contiguous runs (a fresh pool's usual layout; a busy one's runs of about
         # eight 8 KiB pages): each in place, no gather. Shorter runs are gathered: one
         # einsum call per run costs more than the copy (python -m bench.digest --max-run 2, 8).
-        words = rows.numpy().view(np.uint64)
+        words = pool.view(np.uint64)
         out = np.empty(n, dtype=np.uint64)
-        for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [n]))):
+        for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [n])).tolist()):
             start = int(idx[lo])
-            if start < 0 or start + (hi - lo) > words.shape[0]:
-                raise IndexError(f"row {start}..{start + hi - lo - 1} outside {words.shape[0]} rows")
             np.einsum("ij,j->i", words[start:start + hi - lo], w, out=out[lo:hi])
         return out
-    if n and (int(idx.min()) < 0 or int(idx.max()) >= rows.shape[0]):
-        bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-        raise IndexError(f"row {bad} outside {rows.shape[0]} rows")
     # The gather is NumPy's ``take`` (one memcpy per row, on this thread), not
     # ``torch.index_select``: that one runs on torch's intra-op pool, and with the
     # transfer engine and the other side busy on the same cores its hand-offs cost
     # far more than the copy (1 MiB of 8 KiB rows on this 2-vCPU machine, under
     # load: 6.9 ms with torch's 2 threads, 0.03 ms with 1, 0.07 ms with ``take``).
-    pool = rows.numpy()
     step = max(1, _GATHER_CHUNK // item_len)
     scratch = _scratch(min(n, step) * item_len).numpy()
     out = np.empty(n, dtype=np.uint64)
@@ -133,6 +154,32 @@ def _cpu_item_sums(rows: torch.Tensor, index: Optional[torch.Tensor]) -> np.ndar
         np.take(pool, idx[lo:hi], axis=0, out=part, mode="clip")  # bounds checked above
         np.einsum("ij,j->i", part.view(np.uint64), w, out=out[lo:hi])
     return out
+
+
+_CPU_WEIGHTS: Dict[int, np.ndarray] = {}
+
+
+def _cpu_weights(n_words: int) -> np.ndarray:
+    """``base(0 .. n_words-1)`` (numpy uint64), cached: :func:`_weights` for the CPU, without
+    its device key (the CPU path asks once per buffer per call)."""
+    w = _CPU_WEIGHTS.get(n_words)
+    if w is None:
+        w = _CPU_WEIGHTS[n_words] = _weights(torch.device("cpu"), n_words, True)
+    return w
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _buffer_factor(component: int, buffer: int) -> int:
+    """``core.digest.buffer_factor``, cached (a splitmix in Python per buffer per call)."""
+    return dg.buffer_factor(component, buffer)
+
+
+def _cpu_ready(rows: torch.Tensor, index) -> bool:
+    """Whether ``rows`` (and ``index``) go to the CPU kernel as they are: host rows, contiguous,
+    8-byte aligned and a multiple of 8 bytes wide, and a host index (or none)."""
+    return (rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[1] % dg.WORD_BYTES == 0
+            and rows.is_contiguous() and rows.data_ptr() % dg.WORD_BYTES == 0
+            and not (isinstance(index, torch.Tensor) and index.device.type != "cpu"))
 
 
 def rows_digest(rows: torch.Tensor, component: int, buffer: int, dst_pages, index=None) -> int:
@@ -158,22 +205,37 @@ def rows_digests(requests) -> List[int]:
     out: List[int] = [0] * len(requests)
     on_device: Dict[torch.device, list] = {}
     slots_of: Dict[int, Tuple[object, np.ndarray]] = {}  # id(dst_pages) -> (dst_pages, slot factors)
+    # Callers pass one row index and one page list for every buffer of a component (its
+    # layers take the same rows to the same pages): each is analysed once per call, keyed by
+    # the object (kept with it, so its id is not reused meanwhile).
+    plans: Dict[int, Tuple[object, Optional[_RowPlan]]] = {}
     for i, (rows, component, buffer, dst_pages, index) in enumerate(requests):
+        if _cpu_ready(rows, index):
+            # The CPU path, lean: per buffer a dictionary lookup or two and the kernel's calls.
+            plan = None
+            if index is not None:
+                hit = plans.get(id(index))
+                if hit is None or hit[0] is not index:
+                    hit = plans[id(index)] = (index, _RowPlan(_host_index(index)))
+                plan = hit[1]
+                if plan.idx.size == 0:
+                    continue  # nothing placed: 0
+            elif rows.shape[0] == 0:
+                continue
+            slots = _slots_of(slots_of, dst_pages)
+            per_item = _cpu_item_sums(rows.numpy(), plan)
+            # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
+            out[i] = (int(np.dot(per_item, slots)) * _buffer_factor(component, buffer)) & dg.MASK  # dot wraps
+            continue
         prepared = _prepared_rows(rows, index)
         if prepared is None:
             continue  # nothing placed: 0
         rows, index = prepared
-        # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
-        bf = dg.buffer_factor(component, buffer)
-        # Every buffer of a component lands on the same pages: callers pass one page list for
-        # all of them, looked up once (kept with its object, so its id is not reused meanwhile).
-        hit = slots_of.get(id(dst_pages))
-        if hit is None or hit[0] is not dst_pages:
-            hit = slots_of[id(dst_pages)] = (dst_pages, _slot_factors(dst_pages))
-        slots = hit[1]
-        if rows.device.type == "cpu":
-            per_item = _cpu_item_sums(rows, index)
-            out[i] = (int(np.dot(per_item, slots)) * bf) & dg.MASK  # uint64 dot wraps mod 2**64
+        bf = _buffer_factor(component, buffer)
+        slots = _slots_of(slots_of, dst_pages)
+        if rows.device.type == "cpu":  # padded or realigned by _prepared_rows
+            plan = None if index is None else _RowPlan(_host_index(index))
+            out[i] = (int(np.dot(_cpu_item_sums(rows.numpy(), plan), slots)) * bf) & dg.MASK
         else:
             on_device.setdefault(rows.device, []).append((i, rows, index, slots, bf))
     for device, items in on_device.items():
@@ -184,6 +246,15 @@ def rows_digests(requests) -> List[int]:
         for (i, _, _, _, _), value in zip(items, totals):
             out[i] = value
     return out
+
+
+def _slots_of(cache: Dict[int, Tuple[object, np.ndarray]], dst_pages) -> np.ndarray:
+    """Slot factors of ``dst_pages``, looked up once per page list object per call (``cache``
+    keeps the object, so its id is not reused meanwhile)."""
+    hit = cache.get(id(dst_pages))
+    if hit is None or hit[0] is not dst_pages:
+        hit = cache[id(dst_pages)] = (dst_pages, _slot_factors(dst_pages))
+    return hit[1]
 
 
 def _prepared_rows(rows: torch.Tensor, index):

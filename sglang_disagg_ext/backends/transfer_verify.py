@@ -468,23 +468,35 @@ class VerifiedTransferMixin:
         item_end = np.cumsum(counts)
         first = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1))
         last = np.concatenate((first[1:], [w.size]))
+        # Python lists for the loop: numpy scalars cost a conversion per use.
+        src_of, dst_of = si[w].tolist(), di[w].tolist()
+        ends = item_end.tolist()
+        starts = (item_end - counts).tolist()
         requests, placed = [], []
+        rows = pages = None
         for b0, b1 in zip(first.tolist(), last.tolist()):
-            src, dst = src_table[si[w[b0]]], dst_table[di[w[b0]]]
+            src, dst = src_table[src_of[b0]], dst_table[dst_of[b0]]
             item = dst.item_len
-            i0, i1 = int(item_end[b0] - counts[b0]), int(item_end[b1 - 1])
-            pages = pages_all[i0:i1]
-            flat = src.flat()
+            i0, i1 = starts[b0], ends[b1 - 1]
+            # A chunk's layers take the same rows to the same pages: the same objects for
+            # each, so the kernels analyse them once and the pages are noted once.
+            if pages is None or pages.size != i1 - i0 or not (pages == pages_all[i0:i1]).all():
+                pages = pages_all[i0:i1]
             if b1 - b0 == 1:  # one contiguous run: digest it in place
                 s0 = int(rows_all[i0]) * item
-                requests.append((flat[s0:s0 + (i1 - i0) * item].view(i1 - i0, item), dst.component, dst.index,
-                                 pages, None))
+                requests.append((src.flat()[s0:s0 + (i1 - i0) * item].view(i1 - i0, item), dst.component,
+                                 dst.index, pages, None))
             else:
-                pool = flat[: (src.end - src.start) // item * item].view(-1, item)
-                requests.append((pool, dst.component, dst.index, pages, rows_all[i0:i1]))
+                if rows is None or rows.size != i1 - i0 or not (rows == rows_all[i0:i1]).all():
+                    rows = rows_all[i0:i1]
+                pool = src.flat()[: (src.end - src.start) // item * item].view(-1, item)
+                requests.append((pool, dst.component, dst.index, pages, rows))
             placed.append((dst.component, dst.index, pages))
+        noted = set()
         for (component, buffer, pages), value in zip(placed, rows_digests(requests)):
-            partial.add(component, buffer, value, pages)
+            new = (component, id(pages)) not in noted
+            noted.add((component, id(pages)))
+            partial.add(component, buffer, value, pages if new else ())
 
     def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
         """Stock status push; a Success carries each target's digest as a trailing frame.
