@@ -113,7 +113,7 @@ def _host_index(index) -> np.ndarray:
 
 def _cpu_item_sums(pool: np.ndarray, plan: Optional[_RowPlan]) -> np.ndarray:
     """``v(item)`` of every item (uint64): ``pool`` (uint8, ``(rows, item_len)``) contiguous,
-    8-byte aligned, a multiple of 8 bytes wide; with ``plan``, of rows ``plan.idx`` of ``pool``
+    a multiple of 8 bytes wide; with ``plan``, of rows ``plan.idx`` of ``pool``
     (:class:`IndexError` for a row outside it: NumPy's indexing would wrap a negative one)."""
     n_rows, item_len = pool.shape
     w = _cpu_weights(item_len // dg.WORD_BYTES)
@@ -174,18 +174,23 @@ def _buffer_factor(component: int, buffer: int) -> int:
     return dg.buffer_factor(component, buffer)
 
 
-def _cpu_ready(rows: torch.Tensor, index) -> bool:
+def _cpu_ready(rows, index) -> bool:
     """Whether ``rows`` (and ``index``) go to the CPU kernel as they are: host rows, contiguous,
-    8-byte aligned and a multiple of 8 bytes wide, and a host index (or none)."""
-    return (rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[1] % dg.WORD_BYTES == 0
-            and rows.is_contiguous() and rows.data_ptr() % dg.WORD_BYTES == 0
+    a multiple of 8 bytes wide (tensors also 8-byte aligned), and a host index (or none)."""
+    if isinstance(rows, np.ndarray):  # NumPy reads unaligned words too (slower): no address check
+        ok = rows.ndim == 2 and rows.flags.c_contiguous
+    else:
+        ok = rows.device.type == "cpu" and rows.dim() == 2 and rows.is_contiguous() \
+            and rows.data_ptr() % dg.WORD_BYTES == 0
+    return (ok and rows.shape[1] % dg.WORD_BYTES == 0
             and not (isinstance(index, torch.Tensor) and index.device.type != "cpu"))
 
 
 def rows_digest(rows: torch.Tensor, component: int, buffer: int, dst_pages, index=None) -> int:
     """Digest of whole items placed at destination pages ``dst_pages`` of (component, buffer).
 
-    ``rows`` is uint8 of shape ``(n, item_len)``: the items themselves, or, with
+    ``rows`` is uint8 of shape ``(n, item_len)`` (a tensor, or a NumPy array of host
+    rows): the items themselves, or, with
     ``index`` (row numbers, any int sequence or tensor), a pool whose rows
     ``index`` are the items (``dst_pages[i]`` is where row ``index[i]`` lands;
     gathered here in bounded steps on CPU)."""
@@ -223,10 +228,12 @@ def rows_digests(requests) -> List[int]:
             elif rows.shape[0] == 0:
                 continue
             slots = _slots_of(slots_of, dst_pages)
-            per_item = _cpu_item_sums(rows.numpy(), plan)
+            per_item = _cpu_item_sums(rows if isinstance(rows, np.ndarray) else rows.numpy(), plan)
             # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
             out[i] = (int(np.dot(per_item, slots)) * _buffer_factor(component, buffer)) & dg.MASK  # dot wraps
             continue
+        if isinstance(rows, np.ndarray):  # host rows the CPU kernel cannot take as they are
+            rows = torch.from_numpy(rows)
         prepared = _prepared_rows(rows, index)
         if prepared is None:
             continue  # nothing placed: 0

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import itertools
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -93,18 +94,31 @@ def _bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class _Buffer:
-    __slots__ = ("start", "end", "component", "index", "item_len", "_device", "_flat")
+    __slots__ = ("start", "end", "component", "index", "item_len", "_device", "_flat", "_rows")
 
     def __init__(self, start, nbytes, component, index, item_len, device):
         self.start, self.end = int(start), int(start) + int(nbytes)
         self.component, self.index, self.item_len = component, index, int(item_len)
         self._device = device
         self._flat = None
+        self._rows = None
 
     def flat(self) -> torch.Tensor:
         if self._flat is None:
             self._flat = _bytes_at(self.start, self.end - self.start, self._device)
         return self._flat
+
+    def rows(self):
+        """The buffer's whole items as ``(items, item_len)`` uint8 rows, made once: a NumPy
+        array for a host buffer whose items the CPU kernel takes as they are (whole 8-byte
+        words), else a tensor on the buffer's device."""
+        if self._rows is None:
+            n = (self.end - self.start) // self.item_len
+            rows = self.flat()[: n * self.item_len].view(n, self.item_len)
+            if rows.device.type == "cpu" and self.item_len % dg.WORD_BYTES == 0:
+                rows = rows.numpy()
+            self._rows = rows
+        return self._rows
 
 
 def state_lists(values) -> List[List[int]]:
@@ -132,6 +146,19 @@ def _local_buffers(kv_args, device) -> List[_Buffer]:
         add(dg.STATE_COMPONENT_BASE + i, p, n, it)
     out.sort(key=lambda b: b.start)
     return out
+
+
+def _block_array(blocks) -> np.ndarray:
+    """``(src, dst, length)`` blocks as an ``N x 3`` int64 array. Mooncake hands a list of
+    tuples, which ``np.fromiter`` reads in half ``np.asarray``'s time (a fragmented request
+    has hundreds)."""
+    if isinstance(blocks, list):
+        try:
+            return np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64,
+                               count=3 * len(blocks)).reshape(-1, 3)
+        except (TypeError, ValueError):
+            pass  # not all 3-tuples: as any other sequence
+    return np.asarray(blocks, dtype=np.int64).reshape(-1, 3)
 
 
 _TABLE_ARRAYS: Dict[int, Tuple[List[_Buffer], Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -413,7 +440,7 @@ class VerifiedTransferMixin:
         # source and destination buffer by binary search over the buffer starts,
         # then whole-item blocks grouped per (source, destination) buffer so each
         # buffer's items are digested in one call.
-        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 3)
+        b = _block_array(blocks)
         src_addr, dst_addr, length = b[:, 0], b[:, 1], b[:, 2]
         s_start, s_end, s_item = _table_arrays(src_table)
         d_start, d_end, d_item = _table_arrays(dst_table)
@@ -475,22 +502,19 @@ class VerifiedTransferMixin:
         requests, placed = [], []
         rows = pages = None
         for b0, b1 in zip(first.tolist(), last.tolist()):
-            src, dst = src_table[src_of[b0]], dst_table[dst_of[b0]]
-            item = dst.item_len
+            src, dst = src_table[src_of[b0]], dst_table[dst_of[b0]]  # whole items: src.item_len == dst.item_len
             i0, i1 = starts[b0], ends[b1 - 1]
             # A chunk's layers take the same rows to the same pages: the same objects for
             # each, so the kernels analyse them once and the pages are noted once.
             if pages is None or pages.size != i1 - i0 or not (pages == pages_all[i0:i1]).all():
                 pages = pages_all[i0:i1]
             if b1 - b0 == 1:  # one contiguous run: digest it in place
-                s0 = int(rows_all[i0]) * item
-                requests.append((src.flat()[s0:s0 + (i1 - i0) * item].view(i1 - i0, item), dst.component,
-                                 dst.index, pages, None))
+                r0 = int(rows_all[i0])
+                requests.append((src.rows()[r0:r0 + i1 - i0], dst.component, dst.index, pages, None))
             else:
                 if rows is None or rows.size != i1 - i0 or not (rows == rows_all[i0:i1]).all():
                     rows = rows_all[i0:i1]
-                pool = src.flat()[: (src.end - src.start) // item * item].view(-1, item)
-                requests.append((pool, dst.component, dst.index, pages, rows))
+                requests.append((src.rows(), dst.component, dst.index, pages, rows))
             placed.append((dst.component, dst.index, pages))
         noted = set()
         for (component, buffer, pages), value in zip(placed, rows_digests(requests)):
@@ -761,7 +785,6 @@ class VerifiedTransferMixin:
             if ps.size and (ps[0] < 0 or ps[-1] >= n_items):  # sorted (merge_frames)
                 raise dg.DigestError(f"component {dg.component_name(c)} buffer {b}: page {ps[-1]} "
                                      f"outside decode's {n_items} pages")
-            flat = buf.flat()[: n_items * buf.item_len].view(n_items, buf.item_len)
             keys.append((c, b))
-            requests.append((flat, c, b, ps, ps))
+            requests.append((buf.rows(), c, b, ps, ps))
         return dict(zip(keys, rows_digests(requests)))

@@ -261,9 +261,10 @@ def merge_frames(frames: Mapping[int, Tuple[Digests, Pages]]) -> Tuple[Digests, 
     seen: Dict[Tuple[int, int], set] = {}
     for rank in sorted(frames):
         digests, rank_pages = frames[rank]
+        page_sets = {c: frozenset(ps) for c, ps in rank_pages.items()}  # once per component, not per buffer
         for key, d in digests.items():
             ranks.setdefault(key, []).append(rank)
-            copy = (d, frozenset(rank_pages.get(key[0], ())))
+            copy = (d, page_sets.get(key[0], frozenset()))
             if copy not in seen.setdefault(key, set()):
                 seen[key].add(copy)
                 sums.setdefault(key, []).append(d)

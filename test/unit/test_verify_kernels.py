@@ -201,6 +201,17 @@ def test_rows_digest_unaligned_and_strided_rows():
     strided = _rows(3, 40, 3)[:, 8:32]
     assert not strided.is_contiguous()
     assert rows_digest(strided, 2, 2, [4, 5, 6]) == _reference(strided, 2, 2, [4, 5, 6])
+    # The same as NumPy host rows (how the verified managers hand their CPU buffers over):
+    # unaligned words read as they are, column slices and 20-byte items through the padded path,
+    # a pool with a row index the same as its gathered rows.
+    assert rows_digest(unaligned.numpy(), 1, 0, [3, 2, 1, 0]) == _reference(unaligned, 1, 0, [3, 2, 1, 0])
+    assert rows_digest(strided.numpy(), 2, 2, [4, 5, 6]) == _reference(strided, 2, 2, [4, 5, 6])
+    odd = _rows(3, 20, 5)
+    assert rows_digest(odd.numpy(), 0, 1, [7, 8, 9]) == _reference(odd, 0, 1, [7, 8, 9])
+    pool = _rows(40, 64, 6)
+    index = [5, 6, 7, 30, 2]
+    assert rows_digest(pool.numpy(), 0, 2, [1, 2, 3, 4, 5], index=index) == _reference(pool[index], 0, 2,
+                                                                                       [1, 2, 3, 4, 5])
 
 
 @pytest.mark.timeout(30)
