@@ -148,7 +148,8 @@ def check_samples(results: Dict[str, Any]) -> None:
       pairs as ``repeats`` says;
     * ``goodput_over_raw``: median of raw/ext time (= ext/raw goodput) over the listed pairs;
     * ``verified_over_unverified`` (where a list): median and quartiles of verified/ext
-      end-to-end time over the listed pairs;
+      end-to-end time over the listed pairs; where the case lists read-floor samples, the
+      read floor's read/ext median and quartiles and verified/read from the same rounds;
     * ``ext_cpu_overhead``: ``added_cpu_us`` the median of the case's listed per-sample added
       CPU, ``transfer_us`` the fastest listed stock per-request time, ``fraction`` their quotient;
     * ``fix_cpu_overhead``: the same per fix, ``stock_cpu_us`` the median of the listed stock
@@ -186,8 +187,17 @@ def check_samples(results: Dict[str, Any]) -> None:
             raise ValueError(f"{VERIFY_KEY} {row['case']}: {len(s['verified'])}/{len(s['ext'])} samples listed, "
                              f"repeats {d['repeats']}")
         p = paired_ratios(s["verified"], s["ext"])
-        for got, want, what in ((row["ratio"], p["median"], "ratio"), (d["ratio_q1"], p["q1"], "q1"),
-                                (d["ratio_q3"], p["q3"], "q3")):
+        checks = [(row["ratio"], p["median"], "ratio"), (d["ratio_q1"], p["q1"], "q1"), (d["ratio_q3"], p["q3"], "q3")]
+        if "read" in s or "read_ratio" in d:  # the read floor, where the run measured it
+            if len(s.get("read", ())) != d["repeats"]:
+                raise ValueError(f"{VERIFY_KEY} {row['case']}: {len(s.get('read', ()))} read-floor samples listed, "
+                                 f"repeats {d['repeats']}")
+            f = paired_ratios(s["read"], s["ext"])
+            checks += [(d["read_ratio"], f["median"], "read_ratio"), (d["read_ratio_q1"], f["q1"], "read_ratio_q1"),
+                       (d["read_ratio_q3"], f["q3"], "read_ratio_q3"),
+                       (d["verified_over_read"], paired_ratios(s["verified"], s["read"])["median"],
+                        "verified_over_read")]
+        for got, want, what in checks:
             if not _close(got, want):
                 raise ValueError(f"{VERIFY_KEY} {row['case']}: {what} {got} is not {want} from its samples")
     for row in results[CPU_KEY]:

@@ -27,6 +27,7 @@ from sglang_disagg_ext.selftest.harness.run import _Child, child_env, find_free_
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, Scenario, StatePoolSpec, Timeouts
 
 REPLY_TIMEOUT_S = 120.0
+READ = "read"  # item 8's read floor: the ext pair, both sides reading the pages verification digests
 MC_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 MC_QUEUE_DEFAULT = "16384"  # the largest this Mooncake accepts is above 16384 and below 65536
 
@@ -193,12 +194,14 @@ class TransferBench:
 
     # -- item 1 -------------------------------------------------------------------------
     def sample(self, variant: str, case: shapes.TransferCase, pages: Dict[str, Any], verify: bool = False,
-               trace: bool = False) -> Dict:
+               trace: bool = False, read: bool = False) -> Dict:
         """One batch of ``case`` through ``variant``'s managers; returns prefill's timings
-        (and, with ``trace``, its send path's CPU time by frame and its engine calls)."""
+        (and, with ``trace``, its send path's CPU time by frame and its engine calls). ``read``
+        (the ext pair, with a verified pair up): both workers also read each request's pages
+        where verification digests them (item 8's read floor, ``transfer_worker.PageReader``)."""
         rooms = list(range(self.room, self.room + case.concurrency))
         self.room += case.concurrency
-        common = {"variant": variant, "rooms": rooms, "aux": pages["aux"]}
+        common = {"variant": variant, "rooms": rooms, "aux": pages["aux"], "read": read}
         self._call("decode", {"op": "recv", "dst_kv": pages["dst_kv"], "dst_state": pages["dst_state"], **common})
         sent = self._call("prefill", {"op": "send", "src_kv": pages["src_kv"], "src_state": pages["src_state"],
                                       "trace": trace, **common})
@@ -214,16 +217,21 @@ class TransferBench:
     # -- verified transfers (issue 16) ----------------------------------------------------
     def verify_case(self, case: shapes.TransferCase, repeats: int) -> Dict[str, Any]:
         """Verified against unverified ext transfers of ``case``: ``repeats`` interleaved
-        pairs, each timed from prefill's first ``send()`` until decode saw the last room
+        rounds, each timed from prefill's first ``send()`` until decode saw the last room
         final (decode digests what landed before it reports Success, so its check is in the
-        time); every byte checked in a warm-up of each."""
+        time); every byte checked in a warm-up of each. Each round also runs the read floor:
+        the unverified pair with both sides reading the same pages once more where verification
+        digests them, so verified/read says what the digest costs beyond touching its bytes."""
         pages = shapes.batch_pages(case, self.pool, self.components)
-        for v in ("ext", "verified"):
-            self.sample(v, case, pages, verify=True)
-        per_req: Dict[str, List[float]] = {"ext": [], "verified": []}
-        for _, v in interleaved_order(["ext", "verified"], repeats):
-            per_req[v].append(self.sample(v, case, pages)["end_to_end_s"] / case.concurrency)
+        for v in ("ext", "verified", READ):
+            self.sample("ext" if v == READ else v, case, pages, verify=True, read=v == READ)
+        per_req: Dict[str, List[float]] = {"ext": [], "verified": [], READ: []}
+        for _, v in interleaved_order(["ext", "verified", READ], repeats):
+            sample = self.sample("ext" if v == READ else v, case, pages, read=v == READ)
+            per_req[v].append(sample["end_to_end_s"] / case.concurrency)
         paired = paired_ratios(per_req["verified"], per_req["ext"])
+        floor = paired_ratios(per_req[READ], per_req["ext"])
+        over_floor = paired_ratios(per_req["verified"], per_req[READ])
         return {
             "case": case.name,
             "tokens": case.tokens,
@@ -234,6 +242,11 @@ class TransferBench:
             "ratio": paired["median"],  # verified/unverified over back-to-back pairs
             "ratio_q1": paired["q1"],
             "ratio_q3": paired["q3"],
+            "read_s": median(per_req[READ]),
+            "read_ratio": floor["median"],  # read floor/unverified, same rounds
+            "read_ratio_q1": floor["q1"],
+            "read_ratio_q3": floor["q3"],
+            "verified_over_read": over_floor["median"],
             "repeats": repeats,
             "samples_s": per_req,
             "timed": "prefill's first send() until decode saw the last room final, per request",

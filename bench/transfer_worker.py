@@ -55,6 +55,9 @@ VARIANTS = ("stock", "ext")
 # ``--variants stock,ext,verified``: a third pair of managers, the ext class built with
 # SGLANG_DISAGG_EXT_VERIFY=1 (issue 16's digests on both sides), for verified/unverified.
 VERIFIED = "verified"
+# Item 8's read floor: the unverified ext pair, with the bench reading each request's pages
+# on both sides where verification digests them (``PageReader``).
+READ_CHUNK_BYTES = 1 << 20  # the CPU digest's gather step (digest_kernels._GATHER_CHUNK)
 POLL_SLEEP_S = 0.0001
 FINAL = ("Success", "Failed")
 FILL_CHUNK_PAGES = 128  # pattern generation works on uint64: bound its scratch memory
@@ -268,6 +271,34 @@ class Side:
         self.addr = None
         self.keep: List[Any] = []
         self.open: Dict[int, Any] = {}  # room -> receiver (decode)
+        self.reads: Dict[int, List[tuple]] = {}  # room -> pages decode reads at its Success (read floor)
+        self.np_pools: Dict[int, List[Any]] = {}  # pool id -> NumPy views of ``pools`` (read floor)
+
+
+class PageReader:
+    """Item 8's read floor: a request's pages gathered into a 1 MiB scratch, one memcpy per
+    page row, as the CPU digest gathers them before it weighs them; no placement, no digest,
+    no message. Where verification digests (prefill before the transfer, decode before its
+    Success), this is what touching the same bytes once more costs at the least. One per
+    thread that reads."""
+
+    def __init__(self):
+        import numpy as np
+
+        self._np = np
+        self._scratch = np.empty(READ_CHUNK_BYTES, dtype=np.uint8)
+
+    def read(self, jobs) -> None:
+        """``jobs``: ``(pages x item_bytes`` uint8 array, page numbers``)`` pairs."""
+        np = self._np
+        for view, pages in jobs:
+            item = view.shape[1]
+            step = max(1, READ_CHUNK_BYTES // item)
+            if self._scratch.size < min(len(pages), step) * item:
+                self._scratch = np.empty(min(len(pages), step) * item, dtype=np.uint8)
+            for lo in range(0, len(pages), step):
+                part = pages[lo:lo + step]
+                np.take(view, part, axis=0, out=self._scratch[:len(part) * item].reshape(len(part), item))
 
 
 @contextlib.contextmanager
@@ -364,6 +395,8 @@ class Worker:
                             self.scn.num_layers, self.scn.kv.head_num)
             with _bootstrap_port_of(side.port), _verify_env(side.name == VERIFIED):
                 side.mgr = ss.make_manager(manager_class[side.name], kv_args, self.role, side.server_args)
+        if VERIFIED in self.variants:
+            self._read_floor(self.sides["ext"])
         if self.role == "decode":
             for side in self.sides.values():
                 while not ss.try_ensure_prefill_info(side.mgr, side.addr):
@@ -417,6 +450,41 @@ class Worker:
             side.pools[pid] = views
         return components
 
+    def _read_floor(self, side: Side) -> None:
+        """Prepare ``side`` (the unverified ext pair) for item 8's read floor: NumPy views of its
+        pools, and on decode an ``update_status`` that reads a room's pages (listed by ``recv``)
+        before stock's Success, on the status thread, where verification checks them. ``recv``
+        puts it on the manager for a read-floor batch only and ``finish`` takes it off, so the
+        ext pair's other samples run the class's own method."""
+        self.reader = PageReader()  # prefill: the main thread's; decode: the status thread's
+        side.np_pools = {pid: [v.numpy() for v in views] for pid, views in side.pools.items()}
+        if self.role != "decode":
+            return
+        stock_update, success, reader = side.mgr.update_status, int(self.KVPoll.Success), self.reader
+
+        def update_status(bootstrap_room, status):
+            jobs = side.reads.pop(bootstrap_room, None) if int(status) == success else None
+            if jobs:
+                reader.read(jobs)
+            return stock_update(bootstrap_room, status)
+
+        self._reading_update_status = update_status
+
+    def _read_jobs(self, side: Side, kv_pages, aux_row: int, state_lists) -> List[tuple]:
+        """The pages verification digests for one request: its KV pages of every KV buffer, its
+        metadata row of every aux buffer, its pages of every state buffer of each component."""
+        import numpy as np
+
+        from sglang_disagg_ext.selftest.harness.scenario import AUX_POOL_ID, KV_POOL_ID, STATE_POOL_BASE
+
+        kv = np.asarray(kv_pages, dtype=np.int64)
+        jobs = [(v, kv) for v in side.np_pools[KV_POOL_ID]]
+        jobs += [(v, np.array([aux_row], dtype=np.int64)) for v in side.np_pools[AUX_POOL_ID]]
+        for c, pages in enumerate(state_lists or []):
+            if pages:
+                jobs += [(v, np.asarray(pages, dtype=np.int64)) for v in side.np_pools[STATE_POOL_BASE + c]]
+        return jobs
+
     # -- helpers ----------------------------------------------------------------------------
     def _state(self, lists):
         kinds = [p.kind for p in self.scn.state_pools]
@@ -457,7 +525,11 @@ class Worker:
         bad = {r: s for r, (s, _) in states.items() if s != "WaitingForInput"}
         if bad:
             return {"ok": False, "error": f"receivers not waiting for input: {bad}"}
+        if msg.get("read"):
+            side.mgr.update_status = self._reading_update_status  # until finish
         for i, (room, r) in enumerate(receivers.items()):
+            if msg.get("read"):
+                side.reads[room] = self._read_jobs(side, msg["dst_kv"][i], msg["aux"][i], msg["dst_state"][i])
             r.send_metadata(np.asarray(msg["dst_kv"][i], dtype=np.int32), msg["aux"][i],
                             self._state(msg["dst_state"][i]))
         side.open = receivers
@@ -478,11 +550,15 @@ class Worker:
         state = [self._state(s) for s in msg["src_state"]]
         for i, s in enumerate(senders.values()):
             s.init(len(pages[i]), msg["aux"][i])
+        reads = [self._read_jobs(side, msg["src_kv"][i], msg["aux"][i], msg["src_state"][i])
+                 for i in range(len(senders))] if msg.get("read") else None
         if msg.get("trace"):
             self._trace_on(msg["variant"])
         try:
             t0 = time.perf_counter()
             for i, s in enumerate(senders.values()):
+                if reads:
+                    self.reader.read(reads[i])  # where the verifying prefill digests, before the transfer
                 s.send(pages[i], state_indices=state[i])
             done = self._poll_all(senders, FINAL, deadline + self.scn.timeouts.request_s)
         finally:
@@ -568,10 +644,14 @@ class Worker:
         done = self._poll_all(side.open, FINAL, deadline)
         statuses = sorted({s for s, _ in done.values()})
         mismatches = self._verify(side, msg["verify"]) if msg.get("verify") else None
+        # A read-floor room whose pages decode never read did not measure the floor.
+        unread = sorted(room for room in side.open if side.reads.pop(room, None) is not None)
+        side.mgr.__dict__.pop("update_status", None)  # the class's own again (a read-floor batch set it)
         for r in side.open.values():
             r.clear()
         side.open = {}
-        return {"ok": statuses == ["Success"] and not mismatches, "statuses": statuses, "mismatches": mismatches,
+        return {"ok": statuses == ["Success"] and not mismatches and not unread, "statuses": statuses,
+                "mismatches": mismatches, "error": f"read floor: decode never read rooms {unread}" if unread else None,
                 "ends": [t for _, t in done.values()]}  # when decode saw each room final (perf_counter)
 
     def _verify(self, side: Side, pages) -> List[str]:

@@ -100,6 +100,9 @@ def test_bench_quick_run_writes_valid_results(tmp_path):
     if POLICY.version in ("0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.23"):
         assert {r["case"] for r in data[res.VERIFY_KEY]} == {"kv 8K tok x1", "kv+state 8K tok x1"}, data[res.VERIFY_KEY]
         assert "8 verified" in log
+        # The read floor ran in the same rounds (a round whose decode did not read its pages fails the run).
+        assert all(len(r["samples_s"]["read"]) == r["repeats"] for r in data["details"]["verified"])
+        assert "8 read floor" in log
     else:
         assert data[res.VERIFY_KEY].startswith("n/a: "), data[res.VERIFY_KEY]
     if data["gpu"] == NO_GPU:

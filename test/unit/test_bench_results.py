@@ -92,8 +92,14 @@ def _with_verified():
     p = paired_ratios(verified, ext)
     # Hand: per pair 1.1, 22/21 = 1.0476..., 20/19 = 1.0526...: median 1.0526...
     assert math.isclose(p["median"], 20 / 19)
-    d["details"]["verified"] = [{"case": "kv 8K tok x1", "repeats": 3, "samples_s": {"ext": ext, "verified": verified},
-                                 "ratio": p["median"], "ratio_q1": p["q1"], "ratio_q3": p["q3"]}]
+    read = [0.021, 0.0231, 0.0209]
+    # Hand: read/ext per round 1.05, 1.1, 1.1: median 1.1, q1 1.075, q3 1.1 (linear between
+    # order statistics); verified/read 22/21 = 1.0476..., 22/23.1 = 0.952..., 20/20.9 = 0.956...: median 0.956...
+    d["details"]["verified"] = [{"case": "kv 8K tok x1", "repeats": 3,
+                                 "samples_s": {"ext": ext, "verified": verified, "read": read},
+                                 "ratio": p["median"], "ratio_q1": p["q1"], "ratio_q3": p["q3"],
+                                 "read_ratio": 1.1, "read_ratio_q1": 1.075, "read_ratio_q3": 1.1,
+                                 "verified_over_read": 20 / 20.9}]
     d[res.VERIFY_KEY] = [{"case": "kv 8K tok x1", "ratio": p["median"]}]
     return d
 
@@ -111,6 +117,9 @@ def test_verified_item_is_optional_may_be_na_and_recomputes_from_its_samples():
         (lambda d: d[res.VERIFY_KEY][0].__setitem__("ratio", 1.0), "verified_over_unverified kv 8K tok x1: ratio"),
         (lambda d: d["details"]["verified"][0]["samples_s"]["verified"].pop(), "samples listed"),
         (lambda d: d["details"]["verified"][0].__setitem__("case", "other"), "lists no samples"),
+        (lambda d: d["details"]["verified"][0]["samples_s"]["read"].pop(), "read-floor samples listed"),
+        (lambda d: d["details"]["verified"][0].__setitem__("read_ratio", 1.05), "read_ratio 1.05"),
+        (lambda d: d["details"]["verified"][0].__setitem__("verified_over_read", 1.0), "verified_over_read"),
     ):
         bad = _with_verified()
         mutate(bad)
