@@ -214,6 +214,7 @@ def rows_digests(requests) -> List[int]:
     # layers take the same rows to the same pages): each is analysed once per call, keyed by
     # the object (kept with it, so its id is not reused meanwhile).
     plans: Dict[int, Tuple[object, Optional[_RowPlan]]] = {}
+    singles: List[tuple] = []  # (i, item words, page, component, buffer): one small item each
     for i, (rows, component, buffer, dst_pages, index) in enumerate(requests):
         if _cpu_ready(rows, index):
             # The CPU path, lean: per buffer a dictionary lookup or two and the kernel's calls.
@@ -227,8 +228,18 @@ def rows_digests(requests) -> List[int]:
                     continue  # nothing placed: 0
             elif rows.shape[0] == 0:
                 continue
+            pool = rows if isinstance(rows, np.ndarray) else rows.numpy()
+            if (plan is None or plan.idx.size == 1) and (plan is not None or pool.shape[0] == 1) \
+                    and pool.shape[1] <= _SMALL_GATHER and len(dst_pages) == 1:
+                # One small item (a metadata row, a state slot): digested with the call's other
+                # such items in one vectorised pass (:func:`_single_item_digests`).
+                row = 0 if plan is None else plan.lo
+                if not 0 <= row < pool.shape[0]:
+                    raise IndexError(f"row {row} outside {pool.shape[0]} rows")
+                singles.append((i, pool[row].view(np.uint64), dst_pages[0], component, buffer))
+                continue
             slots = _slots_of(slots_of, dst_pages)
-            per_item = _cpu_item_sums(rows if isinstance(rows, np.ndarray) else rows.numpy(), plan)
+            per_item = _cpu_item_sums(pool, plan)
             # page_factor = buffer_factor * slot_factor: slots per item, the buffer's factor once.
             out[i] = (int(np.dot(per_item, slots)) * _buffer_factor(component, buffer)) & dg.MASK  # dot wraps
             continue
@@ -245,6 +256,9 @@ def rows_digests(requests) -> List[int]:
             out[i] = (int(np.dot(_cpu_item_sums(rows.numpy(), plan), slots)) * bf) & dg.MASK
         else:
             on_device.setdefault(rows.device, []).append((i, rows, index, slots, bf))
+    if singles:
+        for (i, _, _, _, _), value in zip(singles, _single_item_digests(singles)):
+            out[i] = value
     for device, items in on_device.items():
         # On the rows' device, whatever this thread's current device is: SGLang's transfer
         # threads and the verify digest threads start on device 0, a rank's pool may not.
@@ -253,6 +267,28 @@ def rows_digests(requests) -> List[int]:
         for (i, _, _, _, _), value in zip(items, totals):
             out[i] = value
     return out
+
+
+_CONCAT_WEIGHTS: Dict[Tuple[int, ...], Tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _single_item_digests(singles) -> List[int]:
+    """Digests of ``(i, words, page, component, buffer)`` items, one item each (uint64 words, any
+    widths), in one pass: every item's words weighed by ``base(k)`` and summed per item
+    (``np.add.reduceat``), times its slot and buffer factors, all mod 2**64. A request's ten
+    metadata rows, one per buffer, cost a call each through the general path."""
+    widths = tuple(len(s[1]) for s in singles)
+    hit = _CONCAT_WEIGHTS.get(widths)
+    if hit is None:
+        if len(_CONCAT_WEIGHTS) > 256:  # one per metadata layout in practice: bounded anyway
+            _CONCAT_WEIGHTS.clear()
+        hit = _CONCAT_WEIGHTS[widths] = (np.concatenate([_cpu_weights(n) for n in widths]),
+                                         np.cumsum((0,) + widths[:-1]))
+    weights, starts = hit
+    sums = np.add.reduceat(np.concatenate([s[1] for s in singles]) * weights, starts)  # uint64: wraps
+    sums *= _slot_factors([s[2] for s in singles])
+    sums *= np.array([_buffer_factor(s[3], s[4]) for s in singles], dtype=np.uint64)
+    return sums.tolist()
 
 
 def _slots_of(cache: Dict[int, Tuple[object, np.ndarray]], dst_pages) -> np.ndarray:

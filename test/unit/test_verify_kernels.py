@@ -106,6 +106,35 @@ def test_rows_digests_in_one_call_match_the_reference(device):
     assert rows_digests([]) == []
 
 
+@pytest.mark.timeout(30)
+def test_single_items_digested_together_match_the_reference():
+    # One item per request (a metadata row per buffer, as verified transfers send them): rows of
+    # 8, 24, 16 and 4096 bytes from different pools, by index and as one-row slices, NumPy and
+    # torch, among requests of several items; each digest as the byte reference gives it, in order.
+    pools = [_rows(6, 8, 11), _rows(5, 24, 12), _rows(4, 16, 13), _rows(3, 4096, 14)]
+    many = _rows(9, 32, 15)
+    requests = [
+        (pools[0], 1, 0, [2], [5]),
+        (pools[1].numpy(), 1, 1, np.array([0]), np.array([4])),
+        (many, 0, 2, [7, 1], [8, 0]),
+        (pools[2][3:4], 1, 2, [9], None),
+        (pools[3].numpy(), 3, 0, [70001], [1]),
+        (pools[0].numpy()[2:3], 1, 9, [0], None),
+    ]
+    expected = [
+        _reference(pools[0][[5]], 1, 0, [2]),
+        _reference(pools[1][[4]], 1, 1, [0]),
+        _reference(many[[8, 0]], 0, 2, [7, 1]),
+        _reference(pools[2][3:4], 1, 2, [9]),
+        _reference(pools[3][[1]], 3, 0, [70001]),
+        _reference(pools[0][2:3], 1, 9, [0]),
+    ]
+    assert rows_digests(requests) == expected
+    for bad in ([6], [-1]):  # a row outside the pool is an error, never a wrapped or clipped row
+        with pytest.raises(IndexError, match="outside 6 rows"):
+            rows_digests([(pools[0], 1, 0, [2], bad), (pools[1], 1, 1, [0], [1])])
+
+
 _SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "support"
 
 
