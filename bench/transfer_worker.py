@@ -55,9 +55,6 @@ VARIANTS = ("stock", "ext")
 # ``--variants stock,ext,verified``: a third pair of managers, the ext class built with
 # SGLANG_DISAGG_EXT_VERIFY=1 (issue 16's digests on both sides), for verified/unverified.
 VERIFIED = "verified"
-# Item 8's read floor: the unverified ext pair, with the bench reading each request's pages
-# on both sides where verification digests them (``PageReader``).
-READ_CHUNK_BYTES = 1 << 20  # the CPU digest's gather step (digest_kernels._GATHER_CHUNK)
 POLL_SLEEP_S = 0.0001
 FINAL = ("Success", "Failed")
 FILL_CHUNK_PAGES = 128  # pattern generation works on uint64: bound its scratch memory
@@ -285,15 +282,18 @@ class PageReader:
     def __init__(self):
         import numpy as np
 
+        from sglang_disagg_ext.backends.digest_kernels import _GATHER_CHUNK
+
         self._np = np
-        self._scratch = np.empty(READ_CHUNK_BYTES, dtype=np.uint8)
+        self._chunk = _GATHER_CHUNK  # the CPU digest's gather step, so both read alike
+        self._scratch = np.empty(self._chunk, dtype=np.uint8)
 
     def read(self, jobs) -> None:
         """``jobs``: ``(pages x item_bytes`` uint8 array, page numbers``)`` pairs."""
         np = self._np
         for view, pages in jobs:
             item = view.shape[1]
-            step = max(1, READ_CHUNK_BYTES // item)
+            step = max(1, self._chunk // item)
             if self._scratch.size < min(len(pages), step) * item:
                 self._scratch = np.empty(min(len(pages), step) * item, dtype=np.uint8)
             for lo in range(0, len(pages), step):

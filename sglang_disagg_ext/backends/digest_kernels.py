@@ -34,11 +34,13 @@ _WEIGHTS_LOCK = threading.Lock()
 def _weights(device: torch.device, n: int, by_word: bool):
     """Cached weights: ``base(0 .. n-1)`` per 64-bit word (``by_word``; numpy uint64 on
     CPU, torch int64 elsewhere) or per byte of an ``n``-byte item (torch int64)."""
+    if by_word and device.type == "cpu":
+        return _cpu_weights(n)
     key = (str(device), n, by_word)
     w = _WEIGHTS.get(key)
     if w is None:
         vec = dg.base_vector(n) if by_word else dg.byte_weight_vector(n)
-        w = vec if by_word and device.type == "cpu" else torch.from_numpy(vec.view(np.int64)).to(device)
+        w = torch.from_numpy(vec.view(np.int64)).to(device)
         with _WEIGHTS_LOCK:
             _WEIGHTS[key] = w
     return w
@@ -160,11 +162,14 @@ _CPU_WEIGHTS: Dict[int, np.ndarray] = {}
 
 
 def _cpu_weights(n_words: int) -> np.ndarray:
-    """``base(0 .. n_words-1)`` (numpy uint64), cached: :func:`_weights` for the CPU, without
-    its device key (the CPU path asks once per buffer per call)."""
+    """``base(0 .. n_words-1)`` (numpy uint64), cached: the CPU's word weights, which
+    :func:`_weights` hands out too (keyed by width alone: the CPU path asks once per buffer
+    per call, and a device key costs a ``str(device)`` each time)."""
     w = _CPU_WEIGHTS.get(n_words)
     if w is None:
-        w = _CPU_WEIGHTS[n_words] = _weights(torch.device("cpu"), n_words, True)
+        w = dg.base_vector(n_words)
+        with _WEIGHTS_LOCK:
+            _CPU_WEIGHTS[n_words] = w
     return w
 
 
@@ -229,8 +234,8 @@ def rows_digests(requests) -> List[int]:
             elif rows.shape[0] == 0:
                 continue
             pool = rows if isinstance(rows, np.ndarray) else rows.numpy()
-            if (plan is None or plan.idx.size == 1) and (plan is not None or pool.shape[0] == 1) \
-                    and pool.shape[1] <= _SMALL_GATHER and len(dst_pages) == 1:
+            n_items = pool.shape[0] if plan is None else plan.idx.size
+            if n_items == 1 and pool.shape[1] <= _SMALL_GATHER and len(dst_pages) == 1:
                 # One small item (a metadata row, a state slot): digested with the call's other
                 # such items in one vectorised pass (:func:`_single_item_digests`).
                 row = 0 if plan is None else plan.lo
