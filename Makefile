@@ -2,8 +2,9 @@
 # release, .venv-<release> for the others. Every target builds what it needs.
 SGLANG ?= 0.5.11
 DEFAULT_SGLANG := 0.5.11
-# Releases with live bugs, then one pass-through release.
-MATRIX ?= 0.5.10.post1 0.5.11 0.5.12.post1 0.5.23
+# The CI matrix: every release with patches/ and one representative of every release family
+# (releases with the same fix statuses and recorded probe values; scripts/ci_plan.py).
+MATRIX ?= $(shell python3 scripts/ci_plan.py matrix)
 
 ifeq ($(SGLANG),$(DEFAULT_SGLANG))
 VENV := .venv
@@ -27,7 +28,13 @@ PATCHED_TESTS_0.5.23 := test/integration/test_mooncake_state_pairing.py test/int
 	test/integration/test_mooncake_isolation.py
 PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
-.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix
+# Every release with a pin file in requirements/ (the policy table's releases), oldest first.
+ALL_RELEASES := $(shell ls requirements/sglang-*.txt | sed 's|requirements/sglang-\(.*\)\.txt|\1|' | sort -V)
+
+# Releases whose CI leg also runs the real-server stage (make e2e).
+E2E_RELEASES ?= 0.5.11 0.5.23
+
+.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh scripts/cpu_stubs/*.py scripts/cpu_stubs/*/*.py requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -47,6 +54,11 @@ test-all:
 	  $(MAKE) --no-print-directory test SGLANG=$$r || failed="$$failed $$r"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-all: failed on:$$failed"; exit 1; fi
+
+# The real-server stage: SGLang's own server processes on this CPU (a colocated server and
+# 1P1D pairs with SGLang's router through launch-pd --device cpu), one pytest process.
+e2e: setup
+	$(PY) -m pytest -p no:xdist test/servers $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/sglang-disagg-ext doctor
@@ -87,6 +99,15 @@ clean:
 clean-release:
 	rm -rf $(VENV) $(PATCHED)
 
+# Record every release's probe values in sglang_disagg_ext/release_facts.json (releases.families):
+# a throw-away venv per release (SETUP_COMPILE=0), its row written, the venv deleted.
+release-facts:
+	@set -e; for r in $(ALL_RELEASES); do \
+	  SETUP_COMPILE=0 scripts/setup_venv.sh $$r .venv-facts-$$r >/dev/null; \
+	  .venv-facts-$$r/bin/python scripts/record_release_facts.py 2>/dev/null; \
+	  rm -rf .venv-facts-$$r; \
+	done
+
 print-matrix:
 	@echo $(MATRIX)
 
@@ -95,10 +116,15 @@ print-matrix:
 # At most one venv exists at a time (four side by side filled a CI disk).
 # Every stage runs; the exit status says whether any failed.
 # The "--- ci-release <release>: <stage> ---" lines let .ci/run count each stage's skips.
+# A family representative's leg runs the suites of the fixes live there (scripts/ci_plan.py tests).
 ci-release:
 	@failed=""; \
 	echo "--- ci-release $(SGLANG): test ---"; \
-	$(MAKE) --no-print-directory test || failed="$$failed test"; \
+	$(MAKE) --no-print-directory test PYTEST_ARGS="$(PYTEST_ARGS) $$(python3 scripts/ci_plan.py tests $(SGLANG))" || failed="$$failed test"; \
+	if echo " $(E2E_RELEASES) " | grep -q " $(SGLANG) "; then \
+	  echo "--- ci-release $(SGLANG): e2e ---"; \
+	  $(MAKE) --no-print-directory e2e || failed="$$failed e2e"; \
+	fi; \
 	if [ -d patches/$(SGLANG) ]; then \
 	  echo "--- ci-release $(SGLANG): check-patches ---"; \
 	  $(MAKE) --no-print-directory check-patches PATCH_RELEASES=$(SGLANG) || failed="$$failed check-patches"; \

@@ -35,17 +35,31 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
+# uv installs (parallel downloads, a shared cache that later venvs link from: a release's venv
+# takes ~15 s once the cache is warm, pip took ~3 min each). It lives in its own small venv.
+tools="$root/.venv-tools"
+uv="$tools/bin/uv"
+if [ ! -x "$uv" ] || ! "$uv" --version >/dev/null 2>&1; then
+  rm -rf "$tools"
+  "$py" -m venv "$tools"
+  "$tools/bin/python" -m pip install -q --disable-pip-version-check -r "$req/tools.txt"
+fi
 # The marker file is written last: a half-built venv has none and is rebuilt.
 rm -rf "$venv"
-"$py" -m venv "$venv"
-# --no-compile: pip byte-compiles each wheel's files one at a time, which was about 60 of
-# the 93 s a venv took; compileall below does the same on every core (33.6 + 12.9 s).
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-compile)
+"$uv" venv -q --seed --python "$py" "$venv"
+pip=("$uv" pip install -q --python "$venv/bin/python")
 
-# CPU torch first, so nothing later pulls a CUDA build.
-"${pip[@]}" "torch==2.13.0"
+# CPU torch first, so nothing later pulls a CUDA build. On PyPI torch 2.13.0 is a CUDA build;
+# the CPU build comes from pip's find-links folder (this machine's /opt/wheels), as pip takes it.
+find_links=$("$py" -m pip config get global.find-links 2>/dev/null || true)
+torch_wheel=$(ls $find_links/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
+if [ -n "$torch_wheel" ]; then
+  "${pip[@]}" "$torch_wheel"
+else
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+fi
 "${pip[@]}" --no-deps "sglang==$release"
-"${pip[@]}" -r "$req/cpu-imports.txt" -r "$req/sglang-$release.txt" -r "$req/test.txt"
+"${pip[@]}" -r "$req/cpu-imports.txt" -r "$req/sglang-$release.txt" -r "$req/test.txt" -r "$req/server.txt"
 "${pip[@]}" --no-deps -r "$req/no-deps.txt"
 "${pip[@]}" --no-deps -e "$root"
 
@@ -62,7 +76,10 @@ done
 
 # Byte-compile what pip did not. As pip does, a file that does not compile under this
 # Python is left to fail at import (torch ships a 3.12-only test helper).
-"$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
+# SETUP_COMPILE=0 skips it (a venv used once, e.g. to record a release's probe values).
+if [ "${SETUP_COMPILE:-1}" != 0 ]; then
+  "$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
+fi
 
 # No CUDA wheels on a CPU machine. (No pipe into grep -q: with pipefail,
 # SIGPIPE can turn a match into a failure.)

@@ -29,8 +29,9 @@ def record(line: Optional[str], backend: Optional[str] = None) -> None:
         _line, _backend, _announced = line, backend, False
 
 
-def announce(manager_class: str) -> bool:
-    """Log the recorded line once per process; True if this call logged it."""
+def announce(manager) -> bool:
+    """Log the recorded line once per process (``manager``: the ``-ext`` KV manager just built);
+    True if this call logged it. Also sets the info metric and this role's transfer series at zero."""
     global _announced
     from sglang_disagg_ext import __version__
 
@@ -40,9 +41,12 @@ def announce(manager_class: str) -> bool:
         _announced = True
         line = _line
     logger.info("sglang-disagg-ext %s active in this process (pid %d, %s): %s", __version__, os.getpid(),
-                manager_class, line)
+                type(manager).__name__, line)
     from sglang_disagg_ext import metrics, releases
 
     policy = releases.current_policy()
     metrics.set_info(__version__, _backend, policy.version, policy.active_fixes())
+    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", None)
+    if _backend and mode in ("prefill", "decode"):
+        metrics.zero_transfer_series(_backend, mode)
     return True

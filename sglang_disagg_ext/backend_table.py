@@ -23,6 +23,12 @@ class Backend:
     adapter_module: str  # plugin module defining ext_classes(policy)
     # (module, function) that builds this backend's ``selftest`` rows.
     selftest_rows: Tuple[str, str]
+    # SGLang's per-request classes in ``sglang_package``: one sender per request on prefill,
+    # one receiver per request on decode (counted in ``transfers_total`` where -ext routes).
+    sender_class: str = ""
+    receiver_class: str = ""
+    # SGLang's per-process KV manager class there (where engine-independent fixes are composed).
+    manager_class: str = ""
 
 
 BACKENDS: Tuple[Backend, ...] = (
@@ -34,6 +40,9 @@ BACKENDS: Tuple[Backend, ...] = (
         engine_packages=("mooncake",),
         adapter_module="sglang_disagg_ext.backends.mooncake",
         selftest_rows=("sglang_disagg_ext.selftest.runner", "mooncake_rows"),
+        sender_class="MooncakeKVSender",
+        receiver_class="MooncakeKVReceiver",
+        manager_class="MooncakeKVManager",
     ),
     Backend(
         name="nixl",
@@ -43,6 +52,9 @@ BACKENDS: Tuple[Backend, ...] = (
         engine_packages=("nixl", "nixl_cu12"),
         adapter_module="sglang_disagg_ext.backends.nixl",
         selftest_rows=("sglang_disagg_ext.selftest.scenarios.nixl_rows", "nixl_rows"),
+        sender_class="NixlKVSender",
+        receiver_class="NixlKVReceiver",
+        manager_class="NixlKVManager",
     ),
     Backend(
         name="mori",
@@ -52,6 +64,9 @@ BACKENDS: Tuple[Backend, ...] = (
         engine_packages=("mori",),
         adapter_module="sglang_disagg_ext.backends.mori",
         selftest_rows=("sglang_disagg_ext.selftest.scenarios.mori_newest", "rows"),  # F3, then F12
+        sender_class="MoriKVSender",
+        receiver_class="MoriKVReceiver",
+        manager_class="MoriKVManager",
     ),
 )
 

@@ -37,6 +37,13 @@ Names (all prefixed ``sglang_disagg_ext_``):
   decode then failed on a digest mismatch and reported back.
 * ``verify_mismatch_notices_sent_total``: on decode, those reports sent, by ``prefill``
   (the prefill rank's bootstrap address ``host:port``: which prefill sent bytes that did not land).
+* ``transfers_total``: requests whose transfer reached a definite state, by ``backend`` (the
+  ``-ext`` name), ``role`` (``prefill``: sent; ``decode``: received) and ``outcome``
+  (``success``, ``failed``): the denominator of a failure ratio. Both outcomes exist at zero
+  from the manager's start.
+* ``transfer_duration_seconds`` (histogram): for those requests, seconds from SGLang creating
+  the request's sender (prefill) or receiver (decode) to the definite state, by ``backend`` and
+  ``role``: bootstrap, queueing behind the prefill forward, and the transfer itself.
 """
 
 from __future__ import annotations
@@ -69,7 +76,18 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Rooms this prefill sent that a decode reported as failing verification (issue 16)", ()),
     "verify_mismatch_notices_sent_total": (
         "counter", "Mismatch notices this decode sent, by prefill rank address (issue 16)", ("prefill",)),
+    "transfers_total": (
+        "counter", "Requests whose KV transfer reached a definite state (success or failed)",
+        ("backend", "role", "outcome")),
+    "transfer_duration_seconds": (
+        "histogram", "Seconds from a request's sender or receiver creation to its definite transfer state",
+        ("backend", "role")),
 }
+
+# transfer_duration_seconds: from a few ms (a small request on a quiet node) to SGLang's
+# 300 s default timeouts.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OUTCOMES = ("success", "failed")
 
 _mu = threading.Lock()
 _metrics: Dict[str, object] = {}
@@ -91,6 +109,8 @@ def _metric(name: str):
         base = PREFIX + (name[: -len("_total")] if kind == "counter" else name)
         if kind == "counter":
             metric = prometheus_client.Counter(base, doc, labels)
+        elif kind == "histogram":
+            metric = prometheus_client.Histogram(base, doc, labels, buckets=DURATION_BUCKETS)
         else:
             # Multiprocess mode: every live scheduler process says 1.
             metric = prometheus_client.Gauge(base, doc, labels, multiprocess_mode="liveall")
@@ -107,6 +127,31 @@ def count(name: str, amount: float = 1.0, **labels: str) -> None:
         (metric.labels(**{k: str(v) for k, v in labels.items()}) if labels else metric).inc(amount)
     except Exception:  # noqa: BLE001 - a metric must never fail a transfer
         logger.debug("metric %s not updated", name, exc_info=True)
+
+
+def transfer_done(backend: str, role: str, outcome: str, seconds: float) -> None:
+    """One request's transfer reached ``outcome`` after ``seconds``; never raises."""
+    count("transfers_total", backend=backend, role=role, outcome=outcome)
+    try:
+        metric = _metric("transfer_duration_seconds")
+        if metric is not None:
+            metric.labels(backend=backend, role=role).observe(seconds)
+    except Exception:  # noqa: BLE001
+        logger.debug("transfer_duration_seconds not updated", exc_info=True)
+
+
+def zero_transfer_series(backend: str, role: str) -> None:
+    """Create this process's transfer series at zero, so a rate() has a baseline from the start."""
+    try:
+        counter = _metric("transfers_total")
+        if counter is not None:
+            for outcome in OUTCOMES:
+                counter.labels(backend=backend, role=role, outcome=outcome)
+        histogram = _metric("transfer_duration_seconds")
+        if histogram is not None:
+            histogram.labels(backend=backend, role=role)
+    except Exception:  # noqa: BLE001
+        logger.debug("transfer series not created", exc_info=True)
 
 
 def set_info(version: str, backend: Optional[str], sglang: Optional[str], fixes) -> None:

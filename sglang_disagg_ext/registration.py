@@ -199,11 +199,17 @@ def activate(ext_name: str) -> None:
             logger.warning("%s: %s is not importable here (%s); %s routing not installed", ext_name, base, exc, ext_name)
             ext_classes = {}
         package = importlib.import_module(package_name) if ext_classes else None
+        if ext_classes:
+            from sglang_disagg_ext.backends import common_fixes
+
+            ext_classes = common_fixes.compose(ext_classes, package, backend_table.BY_NAME[base].manager_class, policy)
         for attr, cls in ext_classes.items():
             key = (package_name, attr)
             _replaced.setdefault(key, getattr(package, attr))
             setattr(package, attr, cls)
             routed.append(attr)
+        if ext_classes:
+            _count_transfers(package, package_name, base, ext_name)
         if policy.is_live("F5"):
             from sglang_disagg_ext.backends.retract import install_retract_fixes
 
@@ -228,6 +234,19 @@ def activate(ext_name: str) -> None:
     # manager logs it again once it exists (activation_log).
     activation_log.record(line, ext_name)
     logger.info(line)
+
+
+def _count_transfers(package, package_name: str, base: str, ext_name: str) -> None:
+    """Route the routed backend's sender and receiver (plugin's or stock) through a counting subclass."""
+    from sglang_disagg_ext.backends.transfer_count import counted
+
+    record = backend_table.BY_NAME[base]
+    for attr, role in ((record.sender_class, "prefill"), (record.receiver_class, "decode")):
+        cls = getattr(package, attr, None)
+        if cls is None:
+            continue
+        _replaced.setdefault((package_name, attr), cls)
+        setattr(package, attr, counted(cls, ext_name, role))
 
 
 _warned_unknown = False

@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -164,6 +164,8 @@ FIX_TITLES = {
     "every request of a hybrid SWA model; up to 0.5.16 also the KV heads of a decode that replicates them; "
     "layouts that cannot be sliced and registrations that raise refused at registration; up to 0.5.19 decode "
     "told at once of a room prefill fails; up to 0.5.15 decode's ABORT no longer ends prefill's bootstrap thread",
+    "F14": "Decode: a prefill it cannot pair with (page size, KV dtype, KV layout, TP/PP layout) fails its own "
+    "requests with the reason; the decode server keeps serving every other prefill",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -181,6 +183,7 @@ FIX_BACKEND = {
     "F11": "nixl",
     "F12": "mori",
     "F13": "nixl",
+    "F14": "all",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -300,23 +303,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L}, True),
 }
 
 # 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
@@ -345,7 +348,7 @@ _ACTIVE_RELEASES = {
 # table: its own classes do not run on 0.5.13+).
 _PASS_THROUGH_FIXES = {
     "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
-    "F11": _N, "F12": _X, "F13": _X,
+    "F11": _N, "F12": _X, "F13": _X, "F14": _X,
 }
 # F11's code path (head-sliced SWA state, asserting hetero-TP prep on the
 # bootstrap thread) first appears in 0.5.22 (see the table comment above).
@@ -518,6 +521,27 @@ class SGLangFeatures:
         from sglang.srt.server_args import ServerArgs
 
         return hasattr(ServerArgs, "mooncake_ib_device")
+
+    @functools.cached_property
+    def server_args_decode_retraction_backup(self) -> bool:
+        """Whether ``ServerArgs`` has ``--disaggregation-decode-retraction-backup`` (0.5.23).
+
+        ``launch-pd --device cpu`` passes ``cpu_tensor`` there: the default backup pins host memory."""
+        from sglang.srt.server_args import ServerArgs
+
+        return "disaggregation_decode_retraction_backup" in declared_fields(ServerArgs)
+
+    @functools.cached_property
+    def paged_allocator_serves_cpu(self) -> bool:
+        """Whether SGLang's paged KV allocator (page size > 1) has a path without Triton.
+
+        0.5.23 falls back to ``alloc_extend_naive``/``alloc_decode_naive`` where Triton cannot run
+        (``use_triton_kernels``, ``mem_cache/allocator/paged.py:245``); 0.5.11 launches its Triton
+        kernels unconditionally (``mem_cache/allocator.py:429``, ``:469``), so a CPU server there
+        serves page size 1 only. The real-server tests choose their page size by it."""
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+        return "use_triton_kernels" in inspect.getsource(PagedTokenToKVPoolAllocator.alloc_extend)
 
     @functools.cached_property
     def kv_status_codec(self) -> bool:
@@ -1160,3 +1184,104 @@ def index_key_pool_class() -> Optional[type]:
         if cls is not None:
             return cls
     return None
+
+
+# --------------------------------------------------------------------------
+# Probe values recorded per release, and the release families they define
+# --------------------------------------------------------------------------
+#
+# ``release_facts.json`` holds, for every release in the policy table, the value of every
+# probe above as read in that release's own environment (``scripts/record_release_facts.py``,
+# run by ``make release-facts`` and checked on every CI leg by ``test_release_facts``: a
+# recorded value that differs from the installed release's live one fails there). From the
+# record and the policy table, releases fall into *families*: releases whose fix statuses and
+# probe values are all equal run the plugin's same code against the same stock shapes, so one
+# differential run of the family's representative proves the family. CI runs one
+# representative of every family (``ci_matrix``); ``make release-sweep`` runs the rest.
+
+FACTS_FILE = os.path.join(os.path.dirname(__file__), "release_facts.json")
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (frozenset, set)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def probe_names() -> Tuple[str, ...]:
+    """Every probe of :class:`SGLangFeatures`, in definition order."""
+    return tuple(name for name, attr in vars(SGLangFeatures).items()
+                 if isinstance(attr, (functools.cached_property, property)))
+
+
+def probe_record(feats: Optional[SGLangFeatures] = None) -> Dict[str, object]:
+    """Every probe's value in this environment (JSON-able); a probe that raises records its error."""
+    feats = feats or features()
+    out: Dict[str, object] = {}
+    for name in probe_names():
+        try:
+            out[name] = _jsonable(getattr(feats, name))
+        except Exception as exc:  # noqa: BLE001 - recorded, so a difference shows
+            out[name] = f"error: {type(exc).__name__}"
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def recorded_facts() -> Dict[str, Dict[str, object]]:
+    """``release_facts.json``: release -> probe name -> value ({} where no record exists)."""
+    import json
+
+    try:
+        with open(FACTS_FILE, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def family_key(version: str) -> Optional[tuple]:
+    """What a release's family is made of: its fix statuses and recorded probe values
+    (None for a release with no row in the policy table or no record)."""
+    facts = recorded_facts().get(version)
+    if version not in _ACTIVE_RELEASES or facts is None:
+        return None
+    policy = policy_for(version)
+    import json
+
+    return (tuple(policy.fixes[f].value for f in FIXES), policy.layout.value, json.dumps(facts, sort_keys=True))
+
+
+def families() -> Dict[str, Tuple[str, ...]]:
+    """Representative release -> the releases of its family (table order).
+
+    The representative is the family's release with the most live fixes (the newest of
+    those): one differential run there covers the code every member runs."""
+    groups: Dict[tuple, list] = {}
+    for version in _ACTIVE_RELEASES:
+        key = family_key(version)
+        if key is not None:
+            groups.setdefault(key, []).append(version)
+    out = {}
+    for members in groups.values():
+        rep = max(members, key=lambda v: (len(policy_for(v).active_fixes()), Version(v)))
+        out[rep] = tuple(members)
+    return dict(sorted(out.items(), key=lambda item: Version(item[0])))
+
+
+def family_of(version: str) -> Optional[str]:
+    """The representative of ``version``'s family (None: no recorded family)."""
+    for rep, members in families().items():
+        if version in members:
+            return rep
+    return None
+
+
+def probe_differences(a: str, b: str) -> Dict[str, Tuple[object, object]]:
+    """Probe name -> (value on ``a``, value on ``b``) for every recorded probe that differs."""
+    fa, fb = recorded_facts().get(a, {}), recorded_facts().get(b, {})
+    return {n: (fa.get(n), fb.get(n)) for n in sorted(set(fa) | set(fb)) if fa.get(n) != fb.get(n)}

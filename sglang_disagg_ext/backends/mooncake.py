@@ -66,7 +66,7 @@ class MooncakeExtKVManager(MooncakeKVManager):
         self._failed_state_sends = set()
         self._failed_state_lock = threading.Lock()
         super().__init__(*args, **kwargs)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     # -- failure plumbing -------------------------------------------------
     def _fail_state_send(self, req, reason: str) -> None:

@@ -238,7 +238,7 @@ class MoriExtKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, MoriKVManager
         self._refused_lock = threading.Lock()
         self._prefill_wire: Dict[str, Optional[str]] = {}
         super().__init__(*args, **kwargs)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     # -- local buffers ---------------------------------------------------------------
     def _register_local_buffers(self) -> None:

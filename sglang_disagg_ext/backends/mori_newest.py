@@ -121,7 +121,7 @@ class MoriOrderedKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, _conn.Mor
         """
         self._prefill_order: Dict[str, Optional[str]] = {}
         super().__init__(*args, **kwargs)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     # -- registration --------------------------------------------------------------------------------
     def build_receiver_registration_message(self) -> List[bytes]:

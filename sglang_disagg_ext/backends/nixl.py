@@ -341,7 +341,7 @@ class NixlExtKVManager(NixlKVManager):
         # of the room concluded (core.nixl_quorum).
         self._ext_quorum = RoomQuorum()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     # -- registration ------------------------------------------------------------------
     def register_buffer_to_engine(self):

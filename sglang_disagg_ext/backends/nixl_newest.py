@@ -79,7 +79,7 @@ class NixlNewestKVManager(RegistrationRefusalMixin, NixlKVManager):
         the stock constructor starts the bootstrap thread.
         """
         super().__init__(*args, **kwargs)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     # -- decode listener (decode) ----------------------------------------------------------------
     def apply_prefill_status(self, *, bootstrap_room: int, status, prefill_rank: int, failure_reason=None,

@@ -90,7 +90,7 @@ class NixlSwaTpKVManager(RegistrationRefusalMixin, NixlKVManager):
         # decode TP size -> HeadLayout: built once per decode size, not per chunk on the transfer path.
         self._f13_layouts: Dict[int, HeadLayout] = {}
         super().__init__(*args, **kwargs)
-        activation_log.announce(type(self).__name__)
+        activation_log.announce(self)
 
     def maybe_send_extra(self, peer_name, prefill_state_indices, dst_state_data_ptrs, dst_state_indices,
                          dst_gpu_id, notif, decode_tp_size, *args, **kwargs):

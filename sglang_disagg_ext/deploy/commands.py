@@ -22,6 +22,7 @@ from sglang_disagg_ext.releases import EXT_BACKENDS, ReleasePolicy, UnsupportedS
 STOCK_BACKENDS = backend_table.NAMES
 KNOWN_BACKENDS = tuple(EXT_BACKENDS) + STOCK_BACKENDS
 PROTOCOLS = ("rdma", "tcp")
+DEVICES = ("cuda", "cpu")
 ROUTERS = ("sglang-router", "mini-lb")
 
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -31,6 +32,19 @@ STOCK_SERVER_MODULE = "sglang.launch_server"
 # Mooncake reads MC_FORCE_TCP itself (SGLang 0.5.10/0.5.11 hard-code "rdma");
 # SGLang 0.5.12+ reads MOONCAKE_PROTOCOL. Setting both covers every release.
 TCP_ENV = {"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"}
+
+# --device cpu: SGLang's own switches for serving on a CPU (a tiny model, trying PD before a
+# GPU cluster). SGLANG_USE_CPU_ENGINE=1: is_cpu() needs it besides --device cpu (0.5.23
+# srt/utils/common.py:221-224). The cached-prefix early send records a torch.cuda.Event
+# (0.5.23 prefill.py:1494-1496); 0 turns it off (a no-op on releases without it). No
+# --base-gpu-id: on a CPU it picks a NUMA node, and decode's "1" is out of range on one.
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+CPU_PREFILL_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--skip-server-warmup", "--sleep-on-idle")
+# Decode's default retraction backup is a pinned host pool (torch.cuda.cudart(), 0.5.23
+# kv_cache_builder.py:227-241); releases with the flag take a plain CPU tensor instead.
+CPU_DECODE_BACKUP_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 
 
 @dataclasses.dataclass
@@ -72,6 +86,12 @@ class PDOptions:
     prefill_extra_args: Tuple[str, ...] = ()
     decode_extra_args: Tuple[str, ...] = ()
     router: str = "mini-lb"
+    device: str = "cuda"
+    # sglang_router's Prometheus exporter port (its default, 29000, is taken by a second router
+    # on the same host); None: the router's default.
+    router_metrics_port: Optional[int] = None
+    # --device cpu: whether this SGLang has --disaggregation-decode-retraction-backup.
+    decode_backup_flag: bool = False
 
     @property
     def decode_gpu(self) -> int:
@@ -80,7 +100,9 @@ class PDOptions:
         return self.decode_base_gpu_id
 
     def gpus_needed(self) -> int:
-        """Highest GPU index used plus one."""
+        """Highest GPU index used plus one (0 on a CPU)."""
+        if self.device == "cpu":
+            return 0
         return max(self.prefill_base_gpu_id + self.prefill_tp, self.decode_gpu + self.decode_tp)
 
 
@@ -128,6 +150,8 @@ def validate_pd_options(opts: PDOptions) -> List[str]:
         "--bootstrap-port": opts.bootstrap_port,
         "--router-port": opts.router_port,
     }
+    if opts.router_metrics_port is not None:
+        ports["--router-metrics-port"] = opts.router_metrics_port
     for what, port in ports.items():
         _check_port(what, port)
     seen: Dict[int, str] = {}
@@ -148,8 +172,14 @@ def validate_pd_options(opts: PDOptions) -> List[str]:
             raise DeployError("--ib-device names an RDMA device; it cannot be combined with --protocol tcp")
     if opts.router not in ROUTERS:
         raise DeployError(f"--router must be one of {', '.join(ROUTERS)}, got {opts.router!r}")
+    if opts.device not in DEVICES:
+        raise DeployError(f"--device must be one of {', '.join(DEVICES)}, got {opts.device!r}")
+    if opts.device == "cpu" and (opts.prefill_tp, opts.decode_tp) != (1, 1):
+        raise DeployError("--device cpu runs one process per server: --prefill-tp and --decode-tp must be 1")
 
     warnings = []
+    if opts.device == "cpu":
+        return warnings
     p0, p1 = opts.prefill_base_gpu_id, opts.prefill_base_gpu_id + opts.prefill_tp
     d0, d1 = opts.decode_gpu, opts.decode_gpu + opts.decode_tp
     if p0 < d1 and d0 < p1:
@@ -182,14 +212,22 @@ def _pd_server(opts: PDOptions, python: str, server_module: str, mode: str) -> S
         "--disaggregation-mode", mode,
         "--disaggregation-bootstrap-port", str(opts.bootstrap_port),
         "--tp-size", str(tp),
-        "--base-gpu-id", str(gpu),
-        "--disaggregation-transfer-backend", opts.backend,
     ]
+    if opts.device != "cpu":
+        argv += ["--base-gpu-id", str(gpu)]
+    argv += ["--disaggregation-transfer-backend", opts.backend]
     if opts.ib_device:
         argv += ["--disaggregation-ib-device", opts.ib_device]
     argv += ["--host", opts.host, "--port", str(port)]
-    argv += list(opts.prefill_extra_args if mode == "prefill" else opts.decode_extra_args)
     env = dict(TCP_ENV) if opts.protocol == "tcp" else {}
+    if opts.device == "cpu":
+        argv += list(CPU_SERVER_ARGS)
+        if mode == "decode" and opts.decode_backup_flag:
+            argv += list(CPU_DECODE_BACKUP_ARGS)
+        env.update(CPU_ENV)
+        if mode == "prefill":
+            env.update(CPU_PREFILL_ENV)
+    argv += list(opts.prefill_extra_args if mode == "prefill" else opts.decode_extra_args)
     return ServerSpec(mode, argv, base_url(opts.host, port), port, env)
 
 
@@ -198,6 +236,8 @@ def router_spec(opts: PDOptions, python: str) -> ServerSpec:
     argv = [python, "-m", module]
     if opts.router == "sglang-router":
         argv.append("--pd-disaggregation")
+        if opts.router_metrics_port is not None:
+            argv += ["--prometheus-host", opts.host, "--prometheus-port", str(opts.router_metrics_port)]
     argv += [
         "--prefill", base_url(opts.host, opts.prefill_port), str(opts.bootstrap_port),
         "--decode", base_url(opts.host, opts.decode_port),
@@ -225,17 +265,29 @@ def build_colocated_server(
     host: str = "127.0.0.1",
     trust_remote_code: bool = False,
     extra_args: Sequence[str] = (),
+    device: str = "cuda",
 ) -> ServerSpec:
-    """One ordinary (non-PD) SGLang server: the reference a PD run is compared with."""
+    """One ordinary (non-PD) SGLang server: the reference a PD run is compared with.
+
+    ``device="cpu"`` gives it the same CPU switches as ``launch-pd --device cpu``'s servers."""
     if not isinstance(tp, int) or tp < 1:
         raise DeployError(f"colocated --tp must be a positive integer, got {tp!r}")
+    if device not in DEVICES:
+        raise DeployError(f"colocated --device must be one of {', '.join(DEVICES)}, got {device!r}")
     _check_port("colocated --port", port)
     argv = [python, "-m", STOCK_SERVER_MODULE, "--model-path", model_path]
     if trust_remote_code:
         argv.append("--trust-remote-code")
-    argv += ["--tp-size", str(tp), "--base-gpu-id", str(base_gpu_id), "--host", host, "--port", str(port)]
+    argv += ["--tp-size", str(tp)]
+    if device != "cpu":
+        argv += ["--base-gpu-id", str(base_gpu_id)]
+    argv += ["--host", host, "--port", str(port)]
+    env = {}
+    if device == "cpu":
+        argv += list(CPU_SERVER_ARGS)
+        env.update(CPU_ENV)
     argv += list(extra_args)
-    return ServerSpec("colocated", argv, base_url(host, port), port)
+    return ServerSpec("colocated", argv, base_url(host, port), port, env)
 
 
 def choose_router(requested: str, router_installed: bool) -> str:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-port", type=int, help="decode HTTP port (default: a free port)")
     p.add_argument("--bootstrap-port", type=int, help="prefill bootstrap port (default: a free port)")
     p.add_argument("--router-port", type=int, help="router port (default: a free port)")
+    p.add_argument("--router-metrics-port", type=int,
+                   help="sglang_router's Prometheus port (default: a free port; its own default, 29000, "
+                        "allows one router per host)")
     p.add_argument("--ib-device", help="RDMA device(s) for the transfer engine, e.g. mlx5_0")
     p.add_argument("--protocol", default="rdma", choices=cmds.PROTOCOLS,
                    help="Mooncake transport (default rdma; tcp sets MC_FORCE_TCP/MOONCAKE_PROTOCOL)")
@@ -87,7 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds to wait for /health on all three (default {DEFAULT_HEALTH_TIMEOUT:g})")
     p.add_argument("--skip-gpu-check", action="store_true",
                    help="start even if fewer NVIDIA GPUs are visible than the servers need")
+    p.add_argument("--device", default="cuda", choices=cmds.DEVICES,
+                   help="cuda (default), or cpu: both servers on this machine's CPU with SGLang's CPU switches "
+                        "(a tiny model; for trying PD before a GPU cluster; TP 1, no GPU check)")
     p.add_argument("--dry-run", action="store_true", help="print the three commands and start nothing")
+
+    p = sub.add_parser("restart", help="stop one server of a run folder (if it runs) and start it again "
+                                       "with its recorded command; wait for /health")
+    p.add_argument("--run-dir", type=Path, required=True, help="run folder written by start")
+    p.add_argument("--server", required=True, choices=("prefill", "decode", "router"), help="which server")
+    p.add_argument("--timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT,
+                   help=f"seconds to wait for /health (default {DEFAULT_HEALTH_TIMEOUT:g})")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL (default 15)")
 
     p = sub.add_parser("stop", help="stop the processes recorded in a run folder")
     p.add_argument("--run-dir", type=Path, required=True, help="run folder written by start")
@@ -110,6 +124,7 @@ def options_from_args(args, ports: List[int]) -> cmds.PDOptions:
         decode_port=ports[1],
         bootstrap_port=ports[2],
         router_port=ports[3],
+        router_metrics_port=ports[4],
         backend=args.backend,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
@@ -122,6 +137,7 @@ def options_from_args(args, ports: List[int]) -> cmds.PDOptions:
         prefill_extra_args=tuple(both + _split("--prefill-args", args.prefill_args)),
         decode_extra_args=tuple(both + _split("--decode-args", args.decode_args)),
         router=cmds.choose_router(args.router, router_installed()),
+        device=args.device,
     )
 
 
@@ -132,7 +148,7 @@ def router_installed() -> bool:
 def resolve_ports(args) -> List[int]:
     from sglang_disagg_ext.deploy.procs import free_ports
 
-    given = [args.prefill_port, args.decode_port, args.bootstrap_port, args.router_port]
+    given = [args.prefill_port, args.decode_port, args.bootstrap_port, args.router_port, args.router_metrics_port]
     fresh = iter(free_ports(args.host, sum(1 for p in given if p is None)))
     return [p if p is not None else next(fresh) for p in given]
 
@@ -157,7 +173,7 @@ def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check
     if opts.router == "sglang-router" and not router_installed():
         raise DeployError("--router sglang-router: sglang_router is not installed (pip install sglang-router, "
                           "or use --router mini-lb)")
-    if not skip_gpu_check:
+    if not skip_gpu_check and opts.device != "cpu":
         needed = opts.gpus_needed()
         have, how = gpu_count()
         if have < needed:
@@ -167,6 +183,8 @@ def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check
             )
     what = {"prefill": "--prefill-port", "decode": "--decode-port", "router": "--router-port"}
     checks = [(what[s.name], s.port) for s in specs] + [("--bootstrap-port", opts.bootstrap_port)]
+    if opts.router == "sglang-router" and opts.router_metrics_port is not None:
+        checks.append(("--router-metrics-port", opts.router_metrics_port))
     for flag, port in checks:
         reason = port_in_use(opts.host, port)
         if reason:
@@ -186,6 +204,8 @@ def start(args) -> int:
         for warning in cmds.validate_pd_options(opts):
             _err(f"warning: {warning}")
         policy = releases.current_policy()
+        if opts.device == "cpu" and policy.version is not None:
+            opts.decode_backup_flag = releases.features().server_args_decode_retraction_backup
         module = args.server_module or cmds.resolve_server_module(policy, opts.backend)
         specs = cmds.build_pd_servers(opts, sys.executable, module)
     except DeployError as exc:
@@ -235,6 +255,8 @@ def start(args) -> int:
         launcher.wait_healthy(["prefill", "decode"], timeout=args.timeout, progress=_err)
         launcher.start(router)
         launcher.wait_healthy(["router"], timeout=max(1.0, deadline - time.monotonic()), progress=_err)
+        launcher.wait_router_workers("router", [prefill.url, decode.url],
+                                     timeout=max(1.0, deadline - time.monotonic()), progress=_err)
     except (DeployError, Interrupted, KeyboardInterrupt, OSError) as exc:
         reason = f"interrupted ({exc})" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else str(exc)
         _err(reason)
@@ -250,7 +272,39 @@ def start(args) -> int:
         print(f"  {entry['name']:<8} pid {entry['pid']:<8} {entry['url']:<28} log {entry['log']}")
     print(f"router URL: {specs[2].url}")
     print(f"run folder: {run_dir}")
-    print(f"stop with:  {shlex.quote(sys.executable)} scripts/launch_pd.py stop --run-dir {shlex.quote(str(run_dir))}")
+    print(f"stop with:  sglang-disagg-ext launch-pd stop --run-dir {shlex.quote(str(run_dir))}")
+    return 0
+
+
+def restart(args) -> int:
+    """Stop the newest recorded ``--server`` of a run (if it still runs), start it again with the
+    same command, environment and log, and wait until it answers ``/health``."""
+    from sglang_disagg_ext.deploy.procs import Launcher, RunRecord, stop_recorded
+
+    try:
+        record = RunRecord.load(args.run_dir)
+    except DeployError as exc:
+        _err(str(exc))
+        return 2
+    entries = [e for e in record.servers if e["name"] == args.server]
+    if not entries:
+        _err(f"{args.run_dir}: no {args.server} server recorded")
+        return 2
+    entry = entries[-1]
+    for line in stop_recorded([entry], grace=args.grace):
+        _err(line)
+    spec = cmds.ServerSpec(entry["name"], list(entry["argv"]), entry["url"], int(entry["url"].rsplit(":", 1)[1]),
+                           dict(entry.get("env") or {}))
+    launcher = Launcher(args.run_dir, record)
+    try:
+        launcher.start(spec)
+        launcher.wait_healthy([spec.name], timeout=args.timeout, progress=_err)
+    except (DeployError, OSError) as exc:
+        _err(str(exc))
+        for line in stop_recorded([record.servers[-1]], grace=10.0):
+            _err(f"  {line}")
+        return 1
+    print(f"{spec.name} restarted: pid {launcher.procs[spec.name].pid}, {spec.url}")
     return 0
 
 
@@ -269,7 +323,7 @@ def stop(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return start(args) if args.command == "start" else stop(args)
+    return {"start": start, "restart": restart, "stop": stop}[args.command](args)
 
 
 if __name__ == "__main__":

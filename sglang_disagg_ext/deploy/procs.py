@@ -131,6 +131,20 @@ def http_ok(url: str, timeout: float) -> bool:
         return False
 
 
+def router_workers(url: str, timeout: float) -> Optional[set]:
+    """URLs of the healthy workers ``sglang_router`` at ``url`` lists; None where it has no ``/workers``."""
+    try:
+        with urllib.request.urlopen(url + "/workers", timeout=timeout) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return None if exc.code == 404 else set()
+    except (urllib.error.URLError, OSError, ValueError):
+        return set()
+    workers = body.get("workers", []) if isinstance(body, dict) else []
+    return {str(w.get("url", "")).rstrip("/") for w in workers
+            if isinstance(w, dict) and w.get("is_healthy", True)}
+
+
 def log_tail(path: Path, lines: int = 25) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -268,6 +282,38 @@ class Launcher:
                     [self.log_path(n) for n in pending],
                 )
             time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def wait_router_workers(
+        self,
+        name: str,
+        worker_urls: Sequence[str],
+        timeout: float,
+        poll_interval: float = 0.5,
+        progress: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        """Return when the router ``name`` lists every URL of ``worker_urls`` as a healthy worker.
+
+        ``sglang_router`` answers ``/health`` before it has registered the workers it was
+        started with (it adds them in the background), and routes nothing until then: its
+        ``/workers`` says when they are in. A router without ``/workers`` (the in-tree load
+        balancer, whose workers are fixed at start) is ready once it answers ``/health``.
+        """
+        proc, spec = self.procs[name], self.specs[name]
+        deadline = time.monotonic() + timeout
+        wanted = {u.rstrip("/") for u in worker_urls}
+        while True:
+            returncode = proc.poll()
+            if returncode is not None:
+                log = self.log_path(name)
+                raise ServerDied(name, proc.pid, returncode, log, log_tail(log))
+            listed = router_workers(spec.url, timeout=max(0.2, min(2.0, deadline - time.monotonic())))
+            if listed is None or wanted <= listed:
+                if progress and listed is not None:
+                    progress(f"{name} routes to {', '.join(sorted(wanted))}")
+                return
+            if time.monotonic() >= deadline:
+                raise HealthTimeout([name], [spec.url + "/workers"], timeout, [self.log_path(name)])
+            time.sleep(poll_interval)
 
     def stop_all(self, grace: float = 15.0) -> List[str]:
         report = stop_recorded(self.record.servers, grace=grace)

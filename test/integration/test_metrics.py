@@ -74,8 +74,16 @@ def test_a_real_transfer_exports_what_it_did():
     decode = _samples(result.plugin_metrics["decode"])
     assert prefill.get(want) == 1.0, result.plugin_metrics["prefill"]
     assert want not in decode, result.plugin_metrics["decode"]
+    # Every request's transfer counted once per side, by outcome (both outcomes exist from the start).
+    for role, side in (("prefill", prefill), ("decode", decode)):
+        outcomes = {dict(k[1])["outcome"]: v for k, v in side.items() if k[0] == "sglang_disagg_ext_transfers_total"}
+        assert outcomes == {"success": float(sum(r.ok for r in result.requests)),
+                            "failed": float(sum(not r.ok for r in result.requests))}, (role, outcomes)
+        durations = [v for k, v in side.items() if k[0] == "sglang_disagg_ext_transfer_duration_seconds_count"]
+        assert durations == [float(len(result.requests))], (role, durations)
     # Nothing else counted: no refusal, recovery or trim beyond the one implied.
-    counted = {k: v for k, v in prefill.items() if k[0].endswith("_total") and v}
+    counted = {k: v for k, v in prefill.items()
+               if k[0].endswith("_total") and v and k[0] != "sglang_disagg_ext_transfers_total"}
     assert counted == {want: 1.0}, counted
     for side in (prefill, decode):
         assert _info(side, "mooncake-ext") == 1.0, side

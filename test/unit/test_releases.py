@@ -8,7 +8,7 @@ L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
 X = FixStatus.UNCOVERED
 
-# (release, support, layout, F1..F13) — from shared/notes/sglang-releases.md, except F4/F5 on
+# (release, support, layout, F1..F14) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
 # mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
@@ -35,24 +35,28 @@ X = FixStatus.UNCOVERED
 # state across TP sizes in every wheel 0.5.10.post1-0.5.21 (0.5.13 nixl/conn.py:1616-1618, 0.5.21
 # :2674-2676); n/a up to 0.5.12.x (F4's classes slice it), live 0.5.13-0.5.21, upstream from 0.5.22
 # (_send_swa_state_slice, nixl/conn.py:2969 in 0.5.23).
+# F14 (decode's pairing check raises on its scheduler thread): live in every wheel
+# 0.5.10.post1-0.5.23 (CommonKVManager.try_ensure_parallel_info, 0.5.10.post1 common/conn.py:228 ...
+# 0.5.23 :1321, called from DecodePreallocQueue._ensure_prefill_info with no handler); proven (stock's
+# decode exits, -ext's serves on) by the real-server stage on 0.5.23 only: elsewhere not covered yet.
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, X)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, X)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, X)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L)),
 ]
 
 

@@ -1,0 +1,39 @@
+"""Fixes that live in every engine's manager, composed in one place.
+
+``registration.activate`` hands each engine's routed classes (``ext_classes``) here; the manager
+class gets the live engine-independent mixins in front of it (outermost first). An engine whose
+``-ext`` name routes no manager of its own gets SGLang's manager with them.
+
+* F14 (``prefill_pairing``): decode refuses a prefill it cannot pair with instead of raising on
+  its scheduler thread.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from sglang_disagg_ext.releases import ReleasePolicy
+
+
+def _mixins(policy: ReleasePolicy) -> tuple:
+    mixins = []
+    if policy.is_live("F14"):
+        from sglang_disagg_ext.backends.prefill_pairing import PrefillPairingMixin
+
+        mixins.append(("F14", PrefillPairingMixin))
+    return tuple(mixins)
+
+
+def compose(classes: Dict[str, type], package, manager_attr: str, policy: ReleasePolicy) -> Dict[str, type]:
+    """``classes`` (attribute -> class to route) with the manager under ``manager_attr`` wrapped."""
+    mixins = _mixins(policy)
+    if not mixins:
+        return classes
+    base = classes.get(manager_attr) or getattr(package, manager_attr)
+    fixes = "".join(fix for fix, _ in mixins)
+    composed = type(
+        f"{base.__name__}_{fixes}",
+        tuple(m for _, m in mixins) + (base,),
+        {"__module__": __name__, "__doc__": f"{base.__doc__} With {', '.join(m.__name__ for _, m in mixins)}."},
+    )
+    return {**classes, manager_attr: composed}

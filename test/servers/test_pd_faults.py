@@ -1,0 +1,181 @@
+"""Real servers under faults, stock ``mooncake`` and ``mooncake-ext`` side by side.
+
+A stream of concurrent requests (bounded count, every request bounded in time) meets one fault:
+the decode server killed and restarted mid-stream, or one engine write that fails. Every request
+must end with an answer or an HTTP error within the bound, no server the fault did not target may
+exit, and after the fault new requests are served with tokens equal to the colocated server's.
+Where stock and ``-ext`` differ, each is held to what it does (``README``'s table).
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import cpu_servers as cs
+
+# Per request: SGLang's router tries a request up to six times, and a try whose prefill waits for a
+# decode that is gone ends at SGLang's bootstrap timeout (cpu_servers.TIMEOUT_S).
+BOUND_S = 6 * cs.TIMEOUT_S + 30.0
+STREAM = [cs.PROMPTS[i % len(cs.PROMPTS)] for i in range(12)]
+
+
+def _outcomes(results):
+    ok = [r for r in results if r[0] == 200]
+    errors = [r for r in results if r[0] != 200]
+    return ok, errors
+
+
+def _assert_bounded(results):
+    for status, body, seconds in results:
+        assert seconds < BOUND_S, f"a request took {seconds:.0f} s"
+        assert status != 0 or "timed out" not in str(body), body  # the client never gave up
+
+
+def _assert_answers_equal(deployment, results, prompts):
+    for (status, body, _), prompt in zip(results, prompts):
+        if status == 200:
+            assert body["output_ids"] == deployment.reference(prompt), prompt[:24]
+
+
+def _assert_serves(deployment, pair):
+    for prompt in cs.PROMPTS[:2]:
+        assert cs.output_ids(pair.router_url, prompt) == deployment.reference(prompt), pair.log_tails()
+
+
+def _failed(pair, name):
+    return cs.total(cs.get_text(pair.url(name) + "/metrics"), "sglang_disagg_ext_transfers_total", outcome="failed")
+
+
+def _assert_errors_have_reasons(results):
+    for status, body, _ in results:
+        if status != 200:
+            assert status >= 400 and str(body).strip(), (status, body)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ("mooncake", "mooncake-ext"))
+def test_one_failed_engine_write(mooncake_pairs, backend):
+    """One KV write the engine fails (it returns -1, as for a dropped link), in a stream of 12
+    requests, 3 in flight. ``-ext``: that one request ends Failed on prefill and on decode (decode
+    told by prefill, the reason naming the failed chunk), SGLang's router retries it, and every
+    client gets an answer equal to colocated. Stock: prefill blacklists decode's whole Mooncake
+    session after the one failure (F6), so valid requests behind it fail too ("remote mooncake
+    session ... is not alive") until its probe loop lifts the blacklist (0.5.23: about 2 s here)
+    or for good (0.5.11: the router's retries fail too and reach the clients as HTTP errors)."""
+    deployment = mooncake_pairs
+    pair, faults = deployment.pairs[backend], deployment.fault_dirs[backend]
+    for prompt in STREAM:
+        deployment.reference(prompt)
+    failed_before = {n: _failed(pair, n) for n in ("prefill", "decode")} if backend.endswith("-ext") else None
+    log_before = len(pair.log("prefill"))
+    cs.arm(faults, "fail-write")
+    results = cs.stream(pair.router_url, STREAM, concurrency=3, timeout=BOUND_S)
+    assert cs.fired(faults, "fail-write")
+    _assert_bounded(results)
+    _assert_answers_equal(deployment, results, STREAM)
+    _assert_errors_have_reasons(results)
+    ok, errors = _outcomes(results)
+    print(f"{backend}: {len(ok)} answered, {len(errors)} failed: {[(s, str(b)[:160]) for s, b, _ in errors]}")
+    assert all(pair.alive(name) for name in ("prefill", "decode", "router")), pair.log_tails()
+    # Stock's own line for every request its prefill fails.
+    failed_transfers = pair.log("prefill")[log_before:].count("Prefill transfer failed for request")
+    print(f"{backend}: prefill failed {failed_transfers} transfers for one failed engine write")
+    if backend.endswith("-ext"):
+        assert failed_transfers == 1
+        time.sleep(1.0)
+        assert {n: _failed(pair, n) - failed_before[n] for n in ("prefill", "decode")} == {"prefill": 1, "decode": 1}
+        assert "Failed to send kv chunk of " in pair.log("decode")  # decode was told prefill's reason
+        assert not errors, errors
+        _assert_serves(deployment, pair)
+    else:
+        assert failed_transfers > 1, "stock: only the faulted transfer failed"
+        assert "is not alive" in pair.log("prefill")[log_before:]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ("mooncake", "mooncake-ext"))
+def test_decode_killed_and_restarted_mid_stream(mooncake_pairs, backend):
+    deployment = mooncake_pairs
+    pair = deployment.pairs[backend]
+    prompts = STREAM[:6]
+    for prompt in prompts:
+        deployment.reference(prompt)
+    results = []
+    thread = threading.Thread(target=lambda: results.extend(
+        cs.stream(pair.router_url, prompts, concurrency=3, timeout=BOUND_S)))
+    thread.start()
+    time.sleep(1.0)
+    os.killpg(pair.pid("decode"), signal.SIGKILL)
+    thread.join(timeout=BOUND_S * len(prompts))
+    assert not thread.is_alive(), "the stream did not end"
+    _assert_bounded(results)
+    _assert_answers_equal(deployment, results, prompts)
+    _assert_errors_have_reasons(results)
+    ok, errors = _outcomes(results)
+    print(f"{backend}: decode killed: {len(ok)} answered, {len(errors)} failed: "
+          f"{sorted({str(b)[:120] for s, b, _ in errors})}")
+    assert pair.alive("prefill") and pair.alive("router"), pair.log_tails()
+    pair.restart("decode")
+    pair.wait_routed()
+    _assert_serves(deployment, pair)
+    assert pair.alive("prefill") and pair.alive("router")
+
+
+@pytest.fixture(scope="module")
+def mismatched_prefill(mooncake_pairs, policy, tmp_path_factory):
+    """One prefill server with twice the page size, for both pairs' routers (stock ``mooncake``:
+    decode's pairing check runs before any transfer, so its backend does not matter there)."""
+    if not policy.is_live("F14"):
+        pytest.skip(f"F14 is {policy.fixes['F14'].value} on SGLang {policy.version}: no -ext run to compare here")
+    pair = mooncake_pairs.pairs["mooncake"]
+    launcher, url, bootstrap = cs.start_extra_prefill(pair, tmp_path_factory.mktemp("prefill-2"), cs.page_size() * 2)
+    try:
+        launcher.wait_healthy(["prefill"], timeout=600)
+        yield url, bootstrap
+    finally:
+        launcher.stop_all(grace=10)
+
+
+@pytest.mark.timeout(900)
+# -ext first: stock's decode does not survive its run, and this is the stage's last test.
+@pytest.mark.parametrize("backend", ("mooncake-ext", "mooncake"))
+def test_a_prefill_with_another_page_size_joins_the_pool(mooncake_pairs, mismatched_prefill, backend):
+    """A second prefill with twice the page size registered in the router's pool. Stock (every
+    release 0.5.10.post1-0.5.23: decode's pairing check raises on its scheduler thread, F14): the
+    first request routed to it ends the decode process ("Page size mismatch"), and with it every
+    request it was serving. ``-ext``: decode refuses that prefill (one ERROR naming both page
+    sizes), that prefill's requests end Failed with the reason (the router retries them on the good
+    prefill), decode keeps serving, and tokens stay equal to colocated."""
+    deployment = mooncake_pairs
+    pair = deployment.pairs[backend]
+    url, bootstrap = mismatched_prefill
+    prompts = STREAM[:4]
+    for prompt in prompts:
+        deployment.reference(prompt)
+    worker = cs.router_add_prefill(pair.router_url, url, bootstrap)
+    results = cs.stream(pair.router_url, prompts, concurrency=2, timeout=BOUND_S)
+    _assert_bounded(results)
+    _assert_answers_equal(deployment, results, prompts)
+    _assert_errors_have_reasons(results)
+    ok, errors = _outcomes(results)
+    print(f"{backend}: mismatched prefill in the pool: {len(ok)} answered, {len(errors)} failed: "
+          f"{sorted({str(b)[:120] for s, b, _ in errors})}")
+    decode_log = pair.log("decode")
+    assert "Page size mismatch: prefill server has page_size=" in decode_log
+    if backend.endswith("-ext"):
+        assert pair.alive("decode") and pair.alive("prefill") and pair.alive("router"), pair.log_tails()
+        assert decode_log.count("(decode keeps serving every other prefill") == 1, "one ERROR per prefill"
+        metrics = cs.get_text(pair.url("decode") + "/metrics")
+        assert cs.total(metrics, "sglang_disagg_ext_requests_refused_total", fix="F14") >= 1
+        cs.router_remove_worker(pair.router_url, worker)
+        _assert_serves(deployment, pair)
+    else:
+        deadline = time.monotonic() + 60
+        while pair.alive("decode") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not pair.alive("decode"), "stock decode survived a prefill with another page size"
+        assert "Scheduler hit an exception" in decode_log
+        assert pair.alive("prefill") and pair.alive("router")
