@@ -5,10 +5,11 @@
     python3 scripts/ci_plan.py tests <release>   # the test paths of that release's leg
     python3 scripts/ci_plan.py families          # every family: representative, members, live fixes
 
-A *full* leg (a release with patches in patches/, or the default release) runs the whole
-suite; every other family's representative runs the pure units, doctor, registration, metrics
-and the differential tests of every fix live there (``fix_registry.tests_for``), so a new fix or
-release cannot be left out: it enters through the tables.
+A *full* leg (``releases.FULL_LEGS``: every release with patches in patches/, and the default
+release) runs the whole suite. The other legs are the fewest releases that prove every live fix
+on every recorded release (``releases.covering_releases``: a fix's run proves it on every release
+where it meets the same code); each runs the release-facts check and the differential tests of
+the fixes it proves (``fix_registry.tests_for``). A new fix or release enters through the tables.
 """
 
 import os
@@ -24,22 +25,22 @@ DEFAULT_RELEASE = "0.5.11"
 
 def full_releases():
     patched = {d for d in os.listdir(os.path.join(ROOT, "patches")) if os.path.isdir(os.path.join(ROOT, "patches", d))}
-    return sorted(patched | {DEFAULT_RELEASE}, key=releases.Version)
+    want = sorted(patched | {DEFAULT_RELEASE}, key=releases.Version)
+    if tuple(want) != releases.FULL_LEGS:
+        raise SystemExit(f"ci_plan: releases.FULL_LEGS {releases.FULL_LEGS} is not patches/ + default {want}")
+    return want
 
 
 def matrix():
-    chosen = set(full_releases())
-    for rep, members in releases.families().items():
-        if not chosen & set(members):
-            chosen.add(rep)
-    return sorted(chosen, key=releases.Version)
+    full_releases()
+    return list(releases.ci_matrix())
 
 
 def tests(release):
     """Test paths for ``release``'s leg; none for a full leg (``make test``: pyproject's testpaths)."""
     if release in full_releases():
         return []
-    return list(fix_registry.tests_for(releases.policy_for(release)))
+    return list(fix_registry.tests_for(releases.proved_on(release)))
 
 
 def main(argv):
@@ -48,11 +49,16 @@ def main(argv):
     elif argv[:1] == ["tests"] and len(argv) == 2:
         print(" ".join(tests(argv[1])))
     elif argv[:1] == ["families"]:
-        ci = set(matrix())
-        for rep, members in releases.families().items():
-            ran = sorted(set(members) & ci, key=releases.Version)
-            live = ",".join(releases.policy_for(rep).active_fixes())
-            print(f"{rep:<14} CI: {' '.join(ran):<14} members: {' '.join(members)}  live: {live}")
+        ci = matrix()
+        for leg in ci:
+            kind = "full" if leg in releases.FULL_LEGS else "family"
+            print(f"{leg:<14} {kind:<6} proves: {' '.join(releases.proved_on(leg))}")
+        for version in releases._ACTIVE_RELEASES:
+            if releases.family_key(version) is None:
+                continue
+            by = {f: releases.proving_release(version, f, tuple(ci)) for f in releases.PROVEN
+                  if releases._proves(version, f)}
+            print(f"  {version:<14} " + " ".join(f"{f}<-{v}" for f, v in by.items()))
         unrecorded = [v for v in releases._ACTIVE_RELEASES if releases.family_of(v) is None]
         if unrecorded:
             print(f"no recorded probe values (no family): {' '.join(unrecorded)}")

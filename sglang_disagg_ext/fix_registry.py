@@ -86,16 +86,17 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_prefill_pairing.py", "test/servers/test_pd_faults.py"), "README.md#who-needs-it"),
 )}
 
-# What every CI leg runs besides its live fixes' tests: the pure units, the release facts
-# and policy, doctor, the plugin's activation and routing.
-ALWAYS = ("test/unit", _IT + "test_doctor.py", _IT + "test_registration.py", _IT + "test_metrics.py")
+# What every CI leg runs: the installed release against its recorded probe values.
+ALWAYS = ("test/unit/test_release_facts.py",)
+# releases.ACTIVATION: the -ext name taken, routed and reported.
+ACTIVATION_TESTS = (_IT + "test_registration.py", _IT + "test_doctor.py", _IT + "test_metrics.py")
 
 
-def tests_for(policy: releases.ReleasePolicy) -> Tuple[str, ...]:
-    """The test paths that prove ``policy``'s release: ``ALWAYS`` and every live fix's tests
-    (test/servers excluded: that stage runs on its own)."""
+def tests_for(proven) -> Tuple[str, ...]:
+    """The test paths of a leg that proves ``proven`` (fix ids and ``releases.ACTIVATION``):
+    ``ALWAYS`` and each one's tests (test/servers excluded: that stage runs on its own)."""
     out = list(ALWAYS)
-    for fix in releases.FIXES:
-        if policy.is_live(fix):
-            out += [t for t in REGISTRY[fix].tests if not t.startswith("test/servers/") and t not in out]
+    for fix in proven:
+        tests = ACTIVATION_TESTS if fix == releases.ACTIVATION else REGISTRY[fix].tests
+        out += [t for t in tests if not t.startswith("test/servers/") and t not in out]
     return tuple(out)

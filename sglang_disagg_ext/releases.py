@@ -371,7 +371,11 @@ def policy_for(version: Optional[str]) -> ReleasePolicy:
     """The policy for an SGLang version string (``None``: SGLang not installed)."""
     if version in _ACTIVE_RELEASES:
         layout, fixes, has_plugins = _ACTIVE_RELEASES[version]
-        return ReleasePolicy(version, Support.ACTIVE, layout, dict(fixes), has_plugins)
+        fixes = dict(fixes)
+        if version not in recorded_facts():
+            # No probe record: no family, so no CI leg proves this release's code (ci_matrix).
+            fixes = {f: (_X if status is _L else status) for f, status in fixes.items()}
+        return ReleasePolicy(version, Support.ACTIVE, layout, fixes, has_plugins)
     parsed = None
     if version is not None:
         try:
@@ -1244,23 +1248,69 @@ def recorded_facts() -> Dict[str, Dict[str, object]]:
         return {}
 
 
-def family_key(version: str) -> Optional[tuple]:
-    """What a release's family is made of: its fix statuses and recorded probe values
-    (None for a release with no row in the policy table or no record)."""
+# Which fixes' code (the plugin's, or the stock code its differential tests meet) changes with
+# each probe's value; "activation" for how the -ext name is taken and routed (argument
+# resolution, the plugin's launcher), proven on its own by test_registration; ()
+# for a probe only the self-test rig, the deploy tools or verified transfers read (it does not
+# separate fixes' families). test_release_facts checks that every probe has an entry.
+PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
+    "server_args_resolution": ("activation",), "server_args_resolve_once": ("activation",),
+    "server_args_mooncake_ib_device": (), "server_args_decode_retraction_backup": (),
+    "paged_allocator_serves_cpu": (),
+    "kv_status_codec": ("F6", "F9"), "mooncake_conclude_failure": ("F6", "F8", "F9"),
+    "mooncake_send_probe": ("F6",), "stock_mooncake_checks_state_send": ("F6",),
+    "mooncake_aux_count_check": ("F9",), "mooncake_registration_hooks": ("F6", "F9"),
+    "mori_status_codec": (), "mori_unique_prefill_rank": (),
+    "nixl_refuses_dsv4_state": (), "nixl_empty_transfer_is_dummy": (), "nixl_empty_state_lists_wait": (),
+    "nixl_success_via_notifications_only": ("F11", "F13"), "nixl_success_via_listener_only": ("F11",),
+    "mori_registration_hook": ("F12",), "dcp_relayout_check": ("F11", "F13"),
+    "nixl_bootstrap_handles_abort": ("F11", "F13"), "mori_sender_notifies_status": ("F3", "F12"),
+    "mori_conclude_room_failure": ("F3", "F12"), "mori_registration_frames": ("F12",),
+    "runtime_context": (), "runtime_context_publish": (), "runtime_context_spawn_ranks": (),
+    "metadata_buffers_sampling_mask": ("F10",), "metadata_buffers_kv_checksum": ("F9",),
+    "decode_status_handler": ("F10",), "decode_queue_release_request": ("F10",),
+    "metadata_gate_function": ("F10",), "metadata_gate_needs_server_args": ("F10",),
+    "pd_kv_layout": (), "kv_transfer_buf_infos": (), "build_kv_layer_ids": (),
+    "stock_nixl_slice_uses_total_heads": ("F4", "F13"), "stock_nixl_slice_maps_decode_replicas_by_modulo": ("F4", "F13"),
+    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13"),
+    "stock_nixl_prep_serves_decode_replicas": ("F4", "F13"), "nixl_is_dummy_method": ("F11", "F13"),
+    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13"), "nixl_conclude_failure": ("F11", "F13"),
+    "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4",),
+    "nsa_pool": ("F5",), "stock_f5": ("F5",),
+}
+
+
+# Proven like a fix: the -ext name taken and routed on every active release.
+ACTIVATION = "activation"
+PROVEN = FIXES + (ACTIVATION,)
+
+
+def fix_family_key(version: str, fix: str) -> Optional[tuple]:
+    """What ``fix``'s code (or ``ACTIVATION``) meets on ``version``: its status, the state layout
+    and the recorded value of every probe scoped to it (None: no table row or no record)."""
     facts = recorded_facts().get(version)
     if version not in _ACTIVE_RELEASES or facts is None:
         return None
     policy = policy_for(version)
-    import json
+    status = "live" if fix == ACTIVATION else policy.fixes[fix].value
+    probes = tuple((n, repr(facts.get(n))) for n, scope in sorted(PROBE_SCOPE.items()) if fix in scope)
+    return fix, status, policy.layout.value, probes
 
-    return (tuple(policy.fixes[f].value for f in FIXES), policy.layout.value, json.dumps(facts, sort_keys=True))
+
+def _proves(version: str, fix: str) -> bool:
+    return fix == ACTIVATION or policy_for(version).is_live(fix)
+
+
+def family_key(version: str) -> Optional[tuple]:
+    """A release's whole family: every fix's ``fix_family_key`` (None without a record)."""
+    keys = tuple(fix_family_key(version, f) for f in PROVEN)
+    return None if None in keys else keys
 
 
 def families() -> Dict[str, Tuple[str, ...]]:
-    """Representative release -> the releases of its family (table order).
+    """Representative release -> the releases whose every fix meets the same code (table order).
 
-    The representative is the family's release with the most live fixes (the newest of
-    those): one differential run there covers the code every member runs."""
+    The representative is the family's release with the most live fixes (the newest of those)."""
     groups: Dict[tuple, list] = {}
     for version in _ACTIVE_RELEASES:
         key = family_key(version)
@@ -1279,6 +1329,64 @@ def family_of(version: str) -> Optional[str]:
         if version in members:
             return rep
     return None
+
+
+def covering_releases(start=()) -> Tuple[str, ...]:
+    """Releases whose runs prove every live fix on every recorded release: ``start`` and, added
+    one at a time, the release that covers the most (fix, fix family) pairs still uncovered (ties:
+    more live fixes, then newer). A fix's run on one release proves it on every release where that
+    fix meets the same code (``fix_family_key``); fixes not live somewhere need no run there."""
+    def pairs(version):
+        return {fix_family_key(version, f) for f in PROVEN if _proves(version, f)}
+
+    recorded = [v for v in _ACTIVE_RELEASES if family_key(v) is not None]
+    needed = set().union(*(pairs(v) for v in recorded)) if recorded else set()
+    chosen = [v for v in start if v in recorded]
+    for v in chosen:
+        needed -= pairs(v)
+    while needed:
+        best = max(recorded, key=lambda v: (len(pairs(v) & needed), len(policy_for(v).active_fixes()), Version(v)))
+        chosen.append(best)
+        needed -= pairs(best)
+    return tuple(sorted(set(chosen), key=Version))
+
+
+# Releases whose CI leg runs the whole suite: every release with patches/ (their patched-stock
+# stage) and the default test environment (``make test``). scripts/ci_plan.py checks the list.
+FULL_LEGS = ("0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.23")
+
+
+@functools.lru_cache(maxsize=1)
+def ci_matrix() -> Tuple[str, ...]:
+    """Every release CI runs: the full legs and the fewest family legs that prove the rest."""
+    return covering_releases(FULL_LEGS)
+
+
+def proved_on(leg: str) -> Tuple[str, ...]:
+    """What ``leg``'s run must prove (``PROVEN`` ids): the fixes (and activation) for which some
+    recorded release's proof is this leg. A full leg proves everything live there."""
+    if leg in FULL_LEGS:
+        return tuple(f for f in PROVEN if _proves(leg, f))
+    ci = ci_matrix()
+    out = set()
+    for version in _ACTIVE_RELEASES:
+        for fix in PROVEN:
+            if _proves(version, fix) and proving_release(version, fix, ci) == leg:
+                out.add(fix)
+    return tuple(f for f in PROVEN if f in out)
+
+
+def proving_release(version: str, fix: str, ci: Tuple[str, ...]) -> Optional[str]:
+    """The release of ``ci`` whose run proves ``fix`` on ``version`` (None: none does)."""
+    key = fix_family_key(version, fix)
+    if key is None:
+        return None
+    same = [v for v in ci if _proves(v, fix) and fix_family_key(v, fix) == key]
+    # A full leg first (it runs every test anyway), then the release itself where it runs, then the first.
+    for v in same:
+        if v in FULL_LEGS:
+            return v
+    return version if version in same else (same[0] if same else None)
 
 
 def probe_differences(a: str, b: str) -> Dict[str, Tuple[object, object]]:

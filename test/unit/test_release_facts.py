@@ -1,0 +1,78 @@
+"""The recorded probe values (release_facts.json) against the installed release, and the families.
+
+Every CI leg runs this: a probe whose live value on the installed release differs from the
+record (SGLang's code moved, or a probe changed) fails here, so a family cannot be built on
+stale facts.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from sglang_disagg_ext import releases
+
+# As scripts/record_release_facts.py: the MoRI stand-in answers MoRI's imports where the real
+# engine (ROCm only) is absent.
+STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "mori_standin")
+
+VERSION = releases.installed_sglang_version()
+
+
+@pytest.mark.timeout(120)
+def test_the_installed_release_matches_its_record():
+    recorded = releases.recorded_facts().get(VERSION)
+    assert recorded is not None, f"no probe record for SGLang {VERSION}: run scripts/record_release_facts.py"
+    if importlib.util.find_spec("mori") is None:
+        sys.path.insert(0, STANDIN)
+    live = releases.probe_record(releases.SGLangFeatures())  # a fresh record: nothing cached from earlier tests
+    assert sorted(recorded) == sorted(live), set(recorded) ^ set(live)
+    differs = {k: (recorded[k], live[k]) for k in live if recorded[k] != live[k]}
+    assert not differs, f"recorded vs live on {VERSION}: {differs}"
+
+
+@pytest.mark.timeout(10)
+def test_families_partition_the_recorded_releases():
+    fams = releases.families()
+    members = [v for vs in fams.values() for v in vs]
+    recorded = [v for v in releases.recorded_facts() if v in releases._ACTIVE_RELEASES]
+    assert sorted(members, key=releases.Version) == sorted(recorded, key=releases.Version)
+    for rep, vs in fams.items():
+        assert rep in vs
+        keys = {releases.family_key(v) for v in vs}
+        assert len(keys) == 1  # one family: identical fix statuses and probe values
+        # the representative has the most live fixes of its family
+        assert len(releases.policy_for(rep).active_fixes()) == max(len(releases.policy_for(v).active_fixes()) for v in vs)
+
+
+@pytest.mark.timeout(10)
+def test_probe_differences_name_what_differs():
+    # By hand from the record: 0.5.11 and 0.5.23 differ in the server-argument resolution method.
+    diff = releases.probe_differences("0.5.11", "0.5.23")
+    assert diff["server_args_resolution"] == ("__post_init__", "resolve_once")
+    assert releases.probe_differences("0.5.23", "0.5.23") == {}
+
+
+@pytest.mark.timeout(30)
+def test_every_live_fix_of_every_recorded_release_is_proven_by_a_ci_leg():
+    ci = releases.ci_matrix()
+    assert set(releases.FULL_LEGS) <= set(ci)
+    for version in releases.recorded_facts():
+        if version not in releases._ACTIVE_RELEASES:
+            continue
+        for fix in releases.PROVEN:
+            if fix == releases.ACTIVATION or releases.policy_for(version).is_live(fix):
+                leg = releases.proving_release(version, fix, ci)
+                assert leg in ci, (version, fix)
+                assert releases.fix_family_key(leg, fix) == releases.fix_family_key(version, fix)
+                assert fix in releases.proved_on(leg), (version, fix, leg)
+
+
+@pytest.mark.timeout(10)
+def test_a_release_without_a_record_claims_no_fix():
+    # 0.5.12 has no pin file, so no probe record: nothing live is claimed there.
+    assert "0.5.12" not in releases.recorded_facts()
+    policy = releases.policy_for("0.5.12")
+    assert policy.active_fixes() == []
+    assert policy.fixes["F3"] is releases.FixStatus.UNCOVERED
