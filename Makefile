@@ -34,7 +34,7 @@ ALL_RELEASES := $(shell ls requirements/sglang-*.txt | sed 's|requirements/sglan
 # Releases whose CI leg also runs the real-server stage (make e2e).
 E2E_RELEASES ?= 0.5.11 0.5.23
 
-.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts
+.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts bench-e2e
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh scripts/cpu_stubs/*.py scripts/cpu_stubs/*/*.py requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -85,6 +85,11 @@ test-patched: setup
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/bench.txt
 	$(PY) -m bench.run
+
+# The figure users feel: TTFT and decode tokens/s through real PD pairs, -ext over stock
+# (bench/e2e.py; writes bench/results.json key e2e).
+bench-e2e: setup
+	$(PY) -m bench.e2e $(BENCH_E2E_ARGS)
 
 # The long soak (issue 19): stock and -ext side by side; CI runs a short one in `make test`
 # (test/integration/test_soak_engine.py). SOAK_ARGS adds to or overrides the options.

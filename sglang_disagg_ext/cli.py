@@ -17,6 +17,12 @@ from sglang_disagg_ext import backend_table
 def _doctor(args) -> int:
     from sglang_disagg_ext import doctor
 
+    if args.fix:
+        return doctor.print_fix(args.fix)
+    if args.diff:
+        return doctor.print_diff(*args.diff)
+    if args.release:
+        return doctor.print_release(args.release)
     report = doctor.diagnose()
     if args.json:
         keys = ("sglang_version", "supported", "fixes", "engines", "entry_point")
@@ -63,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="report SGLang release, per-fix status and engines")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--fix", metavar="FIX", help="where fix FIX lives: core, adapter, hook, scenario, tests, doc")
+    what.add_argument("--release", metavar="VERSION",
+                      help="what the plugin does on SGLang VERSION (installed or not) and which CI leg proves it")
+    what.add_argument("--diff", nargs=2, metavar=("A", "B"),
+                      help="how two SGLang releases differ: fix statuses and recorded probe values")
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser(

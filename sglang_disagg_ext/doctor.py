@@ -57,6 +57,9 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
             "active": policy.support is releases.Support.ACTIVE and policy.is_live(fix),
             "status": policy.fixes[fix].value,
             "backend": releases.FIX_BACKEND[fix],
+            # The CI leg whose run proves this fix on this release (releases.ci_matrix).
+            "proven_on": (releases.proving_release(policy.version, fix, releases.ci_matrix())
+                          if policy.is_live(fix) else None),
         }
         for fix in releases.FIXES
     }
@@ -99,6 +102,63 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "verified_transfers": {"enabled": verification.enabled(), "env": verification.VERIFY_ENV,
                                "unavailable": verification.available(policy)},
     }
+
+
+def print_fix(fix: str) -> int:
+    from sglang_disagg_ext import fix_registry
+
+    entry = fix_registry.REGISTRY.get(fix.upper())
+    if entry is None:
+        print(f"doctor: no fix {fix!r}; known: {', '.join(releases.FIXES)}")
+        return 2
+    print(entry.describe())
+    ci = releases.ci_matrix()
+    for version in releases._ACTIVE_RELEASES:
+        status = releases.policy_for(version).fixes[entry.fix]
+        proof = releases.proving_release(version, entry.fix, ci) if status is releases.FixStatus.LIVE else None
+        print(f"  {version:<14} {status.value:<18} {'proven on the ' + proof + ' CI leg' if proof else ''}")
+    return 0
+
+
+def release_lines(version: str) -> list:
+    """One line per fix: its status on ``version`` and the CI leg whose run proves it there."""
+    policy = releases.policy_for(version)
+    ci = releases.ci_matrix()
+    rep = releases.family_of(version)
+    family = releases.families().get(rep, ()) if rep else ()
+    lines = [f"SGLang {version}: {policy.support_text}; "
+             + (f"same code as {', '.join(v for v in family if v != version)}" if len(family) > 1 else
+                "its own release family" if family else "no recorded probe values: no CI leg proves its code")]
+    for fix in releases.FIXES:
+        status = policy.fixes[fix]
+        proof = releases.proving_release(version, fix, ci) if status is releases.FixStatus.LIVE else None
+        note = f"proven on the {proof} CI leg" if proof else ""
+        lines.append(f"  {fix:<4} {releases.FIX_BACKEND[fix]:<9} {status.value:<18} {note}")
+    return lines
+
+
+def print_release(version: str) -> int:
+    if version not in releases._ACTIVE_RELEASES:
+        policy = releases.policy_for(version)
+        print(f"SGLang {version}: {policy.support_text} (not in the policy table)")
+        return 1
+    print("\n".join(release_lines(version)))
+    return 0
+
+
+def print_diff(a: str, b: str) -> int:
+    pa, pb = releases.policy_for(a), releases.policy_for(b)
+    print(f"SGLang {a} vs {b}")
+    for fix in releases.FIXES:
+        if pa.fixes[fix] != pb.fixes[fix]:
+            print(f"  {fix:<4} {pa.fixes[fix].value} -> {pb.fixes[fix].value}")
+    diffs = releases.probe_differences(a, b)
+    for name, (va, vb) in diffs.items():
+        scope = ", ".join(releases.PROBE_SCOPE.get(name, ())) or "self-test rig"
+        print(f"  {name}: {va!r} -> {vb!r}  ({scope})")
+    if not diffs and all(pa.fixes[f] == pb.fixes[f] for f in releases.FIXES):
+        print("  no difference in fix statuses or recorded probe values")
+    return 0
 
 
 def _plugin_version() -> Optional[str]:
