@@ -26,13 +26,13 @@ def _doctor(args) -> int:
     report = doctor.diagnose()
     if args.json:
         keys = ("sglang_version", "supported", "fixes", "engines", "entry_point")
-        out = {k: report[k] for k in keys}
-        out["fixes"] = {f: {"live": v["live"], "active": v["active"]} for f, v in report["fixes"].items()}
+        # schema_version: bumped whenever a key changes meaning or goes away.
+        out = {"schema_version": 2, **{k: report[k] for k in keys}}
         out.update({k: v for k, v in report.items() if k not in keys})
         print(json.dumps(out, indent=2))
     else:
         print(doctor.format_report(report))
-    return doctor.exit_code(report)
+    return doctor.exit_code(report, strict=args.strict)
 
 
 def _selftest(args) -> int:
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="report SGLang release, per-fix status and engines")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--strict", action="store_true",
+                   help="a deployment gate: also exit 1 when the installed SGLang is not a release the plugin has "
+                        "proven (there the -ext names pass through to SGLang's own classes)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--fix", metavar="FIX", help="where fix FIX lives: core, adapter, hook, scenario, tests, doc")
     what.add_argument("--release", metavar="VERSION",

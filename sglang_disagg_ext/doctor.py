@@ -86,6 +86,8 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
     return {
         "sglang_version": policy.version,
         "supported": policy.supported,
+        # The release is in the table (or has its base release's code) and its fixes are proven.
+        "proven_release": policy.supported and policy.known,
         "support": policy.support_text,
         "state_layout": policy.layout.value if policy.layout else None,
         "fixes": fixes,
@@ -168,9 +170,12 @@ def _plugin_version() -> Optional[str]:
         return None
 
 
-def exit_code(report: Dict) -> int:
-    """Non-zero when no ``-ext`` backend can work here."""
+def exit_code(report: Dict, strict: bool = False) -> int:
+    """Non-zero when no ``-ext`` backend can work here; with ``strict`` (a deployment gate) also
+    when the installed release is not one the plugin has proven (its -ext names pass through)."""
     if report["problems"]:
+        return 1
+    if strict and not report["proven_release"]:
         return 1
     return 0 if any(b["ready"] for b in report["backends"].values()) else 1
 
@@ -202,8 +207,11 @@ def format_report(report: Dict) -> str:
         if why:
             lines.append(f"  {ext}: {why}")
     lines.append("")
+    passing = report["support"].endswith("pass-through")
     for ext, info in report["backends"].items():
-        lines.append(f"{ext:<13} {'ready' if info['ready'] else 'not ready'}")
+        state = "not ready" if not info["ready"] else (
+            "ready (passes through to SGLang's own classes: no fix active)" if passing else "ready")
+        lines.append(f"{ext:<13} {state}")
     for warning in report.get("warnings", []):
         lines.append(f"WARNING: {warning}")
     for problem in report["problems"]:

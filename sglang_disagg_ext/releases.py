@@ -190,9 +190,8 @@ FIX_BACKEND = {
 EXT_BACKENDS = backend_table.ext_to_base()
 
 SUPPORTED_RANGE_TEXT = (
-    "0.5.10.post1, 0.5.11, 0.5.12, 0.5.12.post1 and 0.5.23 (fixes active), "
-    "0.5.13 through 0.5.22 (F6-F10 and F12 active, F11 on 0.5.22, F13 on 0.5.13-0.5.21; an unlisted .postN of "
-    "0.5.13-0.5.23 passes through to the stock classes)"
+    "every release 0.5.10.post1 through 0.5.23 (what each fixes: `sglang-disagg-ext doctor --release X`); "
+    "a release outside that table passes through to SGLang's own classes"
 )
 
 
@@ -204,6 +203,10 @@ class FixStatus(str, enum.Enum):
     # against that release's code (no CI leg): the -ext name passes through there
     # and doctor says so, instead of installing code written for another release.
     UNCOVERED = "live, not covered"
+    # A release this plugin has not proven (newer than every known release, or a post-release
+    # whose code differs from its base): nothing about the fix was checked there, so nothing is
+    # claimed, and the -ext name passes through to SGLang's own classes.
+    UNCHECKED = "not covered here"
 
 
 class StateLayout(str, enum.Enum):
@@ -231,23 +234,34 @@ class ReleasePolicy:
     # Fixes the installed SGLang sources carry from this project's patches/
     # (their status is UPSTREAM: the plugin installs nothing for them).
     patched: Tuple[str, ...] = ()
-    # False for a release newer than the newest this plugin was checked against:
-    # it runs as pass-through (the -ext names keep working after an upgrade),
-    # with one warning naming the known range.
+    # False for a release this plugin has not proven (newer than the newest it knows, or a
+    # post-release whose code differs from its base release): it runs as pass-through (the -ext
+    # names keep working after an upgrade), with one warning naming the release.
     known: bool = True
+    # A post-release not in the table whose probe values equal this table release's record:
+    # it gets that release's fixes (current_policy).
+    same_code_as: Optional[str] = None
 
     @property
     def support_text(self) -> str:
-        """``support`` for people: "unknown release: pass-through" for an unknown newer release."""
-        return self.support.value if self.known else f"unknown release: {self.support.value}"
+        """``support`` for people: "not proven here: pass-through" for a release the plugin has not proven."""
+        if self.same_code_as:
+            return f"{self.support.value} (same code as {self.same_code_as})"
+        return self.support.value if self.known else f"not proven here: {self.support.value}"
 
     def unknown_release_warning(self) -> Optional[str]:
+        """The one WARNING a server logs at start on a release the plugin has not proven."""
         if self.known:
             return None
+        newer = self.version is not None and _parse(self.version) is not None and _parse(self.version) >= _PASS_THROUGH_END
+        base = base_release(self.version) if self.version else None
+        why = (f"is newer than the newest release sglang-disagg-ext knows ({NEWEST_KNOWN})" if newer else
+               "is not in the release table sglang-disagg-ext has proven"
+               + (f" (its code did not match SGLang {base}'s recorded probes)" if base else ""))
         return (
-            f"SGLang {self.version} is newer than the newest release sglang-disagg-ext knows "
-            f"({NEWEST_KNOWN}; known: {SUPPORTED_RANGE_TEXT}): the -ext backends pass through to SGLang's "
-            "own classes, as on 0.5.13-0.5.23. Run `sglang-disagg-ext selftest` on this node, and upgrade the plugin."
+            f"SGLang {self.version} {why}: no fix is active, the -ext backends pass through to SGLang's own "
+            f"classes (known: {SUPPORTED_RANGE_TEXT}). Run `sglang-disagg-ext selftest` on this node, and "
+            "upgrade the plugin."
         )
 
     @property
@@ -322,49 +336,37 @@ _ACTIVE_RELEASES = {
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L}, True),
 }
 
-# 0.5.13 ... 0.5.22 above (every published release): F7/F8 proven on the release's wheel by
-# scripts/release_sweep.sh (docs/release-sweep.md), F6 too (its second sweep, with
-# test_mooncake_isolation.py), F10 too (the gate, utils._apply_metadata_gate, read in every
-# wheel: 0.5.13 utils.py:78, 0.5.19 :180, 0.5.22 :244; test_metadata_gate.py in the sweep);
-# F9 live there (send_aux pairs by position with prefill's row sizes in every wheel, 0.5.13
-# mooncake/conn.py send_aux, 0.5.22 :1755-1759; proven by test_mooncake_registration.py's row-size
-# case in the sweep; the count cases need the checksum buffer of 0.5.21+ to be built). F12 on 0.5.20/0.5.21:
-# 0.5.22's MoRI metadata path (rows and status on two sockets), proven by
-# test_mori_newest.py on both wheels; before 0.5.20 uncovered (see the module docstring). The rest
-# (a .postN of 0.5.13 ... 0.5.23 not listed above, pass-through): F1-F5 upstream; the
-# Mooncake bugs F6-F8 fix are live in every release of that range (read in each wheel:
-# session blacklisted after one failed KV send, e.g. 0.5.13 mooncake/conn.py:1283-1284,
-# 0.5.22 :2672-2673; get_mha_kv_ptrs_with_pp identical in every release; transfer_worker
-# re-raises, 0.5.13 :1366, 0.5.22 :2806), but an unlisted post-release has had no
-# differential run: uncovered.
-# F13 (NIXL SWA state across attention TP sizes): stock maybe_send_extra raises for non-MLA SWA
-# state whenever the TP sizes differ on every release 0.5.13-0.5.21 (0.5.13 nixl/conn.py:1616-1618,
-# 0.5.16 :2061-2063, 0.5.19 :2374-2376, 0.5.21 :2674-2676); 0.5.22 added _send_swa_state_slice
-# (features().stock_swa_head_slice_backends reads it), so upstream from there. n/a up to 0.5.12.x:
-# F4's classes already send SWA state as head slices there. F4's decode-replica part reached stock
-# NIXL's prepared slice lists only in 0.5.17 (features().stock_nixl_prep_serves_decode_replicas):
-# on 0.5.13-0.5.16 a decode whose TP size exceeds the KV heads kills prefill's bootstrap thread
-# (NIXL_ERR_NOT_FOUND); F13's class slices those peers' KV itself there (F4 stays "upstream" in this
-# table: its own classes do not run on 0.5.13+).
-_PASS_THROUGH_FIXES = {
-    "F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _X, "F7": _X, "F8": _X, "F9": _X, "F10": _X,
-    "F11": _N, "F12": _X, "F13": _X, "F14": _X,
-}
-# F11's code path (head-sliced SWA state, asserting hetero-TP prep on the
-# bootstrap thread) first appears in 0.5.22 (see the table comment above).
-_PASS_THROUGH_F11_FROM = Version("0.5.22")
+# Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
+# module docstring); which CI leg proves each live fix where is derived from the recorded probe
+# values (ci_matrix, proving_release). F13 (NIXL SWA state across attention TP sizes): stock
+# maybe_send_extra raises for non-MLA SWA state whenever the TP sizes differ on every release
+# 0.5.13-0.5.21 (0.5.13 nixl/conn.py:1616-1618, 0.5.21 :2674-2676); 0.5.22 added
+# _send_swa_state_slice (features().stock_swa_head_slice_backends), so upstream from there; n/a up
+# to 0.5.12.x, where F4's classes send SWA state as head slices. F4's decode-replica part reached
+# stock NIXL's prepared slice lists only in 0.5.17 (features().stock_nixl_prep_serves_decode_replicas):
+# on 0.5.13-0.5.16 F13's class slices those peers' KV itself (F4 stays "upstream" in this table:
+# its own classes do not run on 0.5.13+). A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
 NEWEST_KNOWN = "0.5.23"
 
 
-def _pass_through_fixes(version: Version) -> Dict[str, FixStatus]:
-    fixes = dict(_PASS_THROUGH_FIXES)
-    if version >= _PASS_THROUGH_F11_FROM:
-        fixes["F11"] = _X
-        fixes["F13"] = _U  # stock NIXL's _send_swa_state_slice, from 0.5.22
-    return fixes
+def _parse(version: str) -> Optional[Version]:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def base_release(version: str) -> Optional[str]:
+    """The table release a post-release not in the table belongs to (same release number, the
+    newest such at or below it: 0.5.21.post1 -> 0.5.21, 0.5.13.post2 -> 0.5.13.post1), or None."""
+    parsed = _parse(version)
+    if parsed is None or version in _ACTIVE_RELEASES:
+        return None
+    same = [v for v in _ACTIVE_RELEASES if Version(v).release == parsed.release and Version(v) <= parsed]
+    return max(same, key=Version) if same else None
 
 
 def policy_for(version: Optional[str]) -> ReleasePolicy:
@@ -384,19 +386,19 @@ def policy_for(version: Optional[str]) -> ReleasePolicy:
             parsed = None
     if parsed is not None and not parsed.is_prerelease and not parsed.is_devrelease:
         if parsed >= _PASS_THROUGH_MIN:
-            # Past the newest known release: pass-through too (unknown), so an
-            # upgrade of SGLang never stops a server started with an -ext name.
-            # A post-release of an *active* release stays unsupported: its code
-            # may differ where the plugin replaces it, and passing through would
-            # silently drop the fixes the operator installed the plugin for.
-            known = parsed < _PASS_THROUGH_END
+            # A release the table does not list, from 0.5.13 on (a post-release, or newer than
+            # every known one): pass-through, so an upgrade of SGLang never stops a server
+            # started with an -ext name; nothing is claimed about any fix there (not checked).
+            # current_policy() gives a post-release its base release's fixes where the installed
+            # code's probe values equal that release's record. A post-release of an *active*
+            # release before 0.5.13 stays unsupported.
             return ReleasePolicy(
                 version,
                 Support.PASS_THROUGH,
                 StateLayout.PER_COMPONENT,
-                _pass_through_fixes(parsed) if known else {f: _U for f in FIXES},
+                {f: FixStatus.UNCHECKED for f in FIXES},
                 True,
-                known=known,
+                known=False,
             )
     return ReleasePolicy(version, Support.UNSUPPORTED, None, {f: _N for f in FIXES}, False)
 
@@ -415,8 +417,22 @@ def current_policy() -> ReleasePolicy:
     """Policy of the SGLang installed in this interpreter (cached)."""
     global _current
     if _current is None:
-        _current = with_patched_fixes(policy_for(installed_sglang_version()), patched_fixes())
+        _current = with_patched_fixes(installed_policy(installed_sglang_version()), patched_fixes())
     return _current
+
+
+def installed_policy(version: Optional[str]) -> ReleasePolicy:
+    """``policy_for(version)``, except for a post-release the table does not list whose installed
+    code has the probe values recorded for its base release (``base_release``): that release's
+    fixes, proven by the same CI legs. Reads the probes (imports SGLang) only in that case."""
+    policy = policy_for(version)
+    unproven = not policy.known or not policy.supported  # a post-release of 0.5.10-0.5.12 is unsupported
+    base = base_release(version) if version is not None and unproven else None
+    if base is None or base not in recorded_facts():
+        return policy
+    if probe_record(SGLangFeatures()) != recorded_facts()[base]:
+        return policy
+    return dataclasses.replace(policy_for(base), version=version, same_code_as=base)
 
 
 # Written by the last patch of each release in patches/ (scripts/apply_patches.py).

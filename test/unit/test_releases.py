@@ -2,6 +2,7 @@
 
 import pytest
 
+from sglang_disagg_ext import releases
 from sglang_disagg_ext.releases import FIXES, FixStatus, StateLayout, Support, UnsupportedSGLangRelease, policy_for
 
 L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
@@ -92,23 +93,39 @@ def test_plugin_framework_flag():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("version", ["0.5.24", "0.5.30.post2", "0.6.0", "1.0.0"])
-def test_newer_release_than_known_is_pass_through_with_a_warning(version):
-    """An upgrade of SGLang past 0.5.23 never stops a server started with an -ext name."""
+@pytest.mark.parametrize("version", ["0.5.24", "0.5.30.post2", "0.6.0", "1.0.0", "0.5.13.post2", "0.5.21.post1",
+                                     "0.5.23.post3"])
+def test_a_release_the_table_does_not_list_claims_nothing(version):
+    """An upgrade of SGLang never stops a server started with an -ext name, and nothing unproven is
+    claimed there: every fix "not covered here" (not upstream, not live), nothing active, a warning."""
     p = policy_for(version)
     assert p.support is Support.PASS_THROUGH and not p.known
-    assert tuple(p.fixes[f] for f in ("F1", "F2", "F3", "F4", "F5")) == (U, U, U, U, U)
+    assert set(p.fixes.values()) == {FixStatus.UNCHECKED}
+    assert p.active_fixes() == [] and not any(p.routes(b) for b in ("mooncake", "nixl", "mori"))
     p.check_supported()
-    assert p.support_text == "unknown release: pass-through"
+    assert p.support_text == "not proven here: pass-through"
     warning = p.unknown_release_warning()
-    assert f"SGLang {version} is newer than the newest release sglang-disagg-ext knows (0.5.23;" in warning
-    assert "0.5.10.post1" in warning
+    assert warning.startswith(f"SGLang {version} is ") and "no fix is active" in warning
+    newer = version.startswith(("0.5.24", "0.5.30", "0.6", "1."))
+    assert ("newer than the newest release sglang-disagg-ext knows (0.5.23)" in warning) == newer
 
 
 @pytest.mark.timeout(10)
-# Every published release 0.5.13-0.5.23 has its own row now; a post-release the table does
-# not list (in the known range) still passes through without the unknown-release warning.
-@pytest.mark.parametrize("version", ["0.5.13.post2", "0.5.21.post1", "0.5.23.post3"])
-def test_known_pass_through_releases_give_no_warning(version):
-    p = policy_for(version)
-    assert p.known and p.unknown_release_warning() is None and p.support_text == "pass-through"
+@pytest.mark.parametrize("version,base", [("0.5.21.post1", "0.5.21"), ("0.5.13.post2", "0.5.13.post1"),
+                                          ("0.5.23.post3", "0.5.23"), ("0.5.24", None), ("0.5.11.post1", "0.5.11")])
+def test_a_post_release_belongs_to_its_newest_base_release(version, base):
+    assert releases.base_release(version) == base
+
+
+@pytest.mark.timeout(10)
+def test_a_post_release_with_its_base_releases_probe_values_gets_its_fixes(monkeypatch):
+    recorded = releases.recorded_facts()["0.5.21"]
+    monkeypatch.setattr(releases, "probe_record", lambda feats=None: dict(recorded))
+    p = releases.installed_policy("0.5.21.post1")
+    assert p.version == "0.5.21.post1" and p.same_code_as == "0.5.21" and p.known
+    assert p.fixes == policy_for("0.5.21").fixes and p.support is Support.ACTIVE
+    assert p.support_text == "active (same code as 0.5.21)"
+    # One probe that differs: not the same code, nothing claimed.
+    monkeypatch.setattr(releases, "probe_record", lambda feats=None: {**recorded, "kv_status_codec": "other"})
+    p = releases.installed_policy("0.5.21.post1")
+    assert not p.known and set(p.fixes.values()) == {FixStatus.UNCHECKED}
