@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this scenario (repeatable; exact row name)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
     p.add_argument("--list", action="store_true", help="print the scenario names for these backends and exit")
+    p.add_argument("--min-rows", type=int, default=1,
+                   help="exit 1 unless at least this many -ext rows ran (default 1: a run where every row is "
+                        "n/a checks nothing)")
     p.add_argument("--ext-only", action="store_true",
                    help="run each Mooncake/NIXL scenario with the -ext name only (checks this node; "
                         "no stock comparison)")

@@ -440,12 +440,16 @@ def main(args) -> int:
         print(format_table(rows))
         for r in failed:
             print(f"\nFAILED with -ext: {r['scenario']}\n{r.get('ext_detail') or ''}")
-        for r in rows:
-            if r.get("engine"):
-                print(f"note [{r['scenario']}]: {r['engine']}")
-        for r in rows:
-            if r["ext"] == "n/a":
-                print(f"not run [{r['scenario']}]: {r['not_run']}")
+        # A note shared by several rows is printed once, with the rows it covers.
+        for label, key, keep in (("note", "engine", lambda r: r.get("engine")),
+                                 ("not run", "not_run", lambda r: r["ext"] == "n/a")):
+            grouped: Dict[str, List[str]] = {}
+            for r in rows:
+                if keep(r):
+                    grouped.setdefault(str(r[key]), []).append(r["scenario"])
+            for text, names in grouped.items():
+                print(f"{label} [{names[0]}" + (f" and {len(names) - 1} more row(s)" if len(names) > 1 else "")
+                      + f"]: {text}")
         if verify:
             checked: Dict[str, int] = {}
             for r in rows:
@@ -454,4 +458,10 @@ def main(args) -> int:
             print("\nverified transfers (--verify): rooms decode checked against prefill's digest: "
                   + (", ".join(f"{v} {k}" for k, v in sorted(checked.items())) or "none"))
         print(f"\n{summary_line(counts)}")
+    ran = sum(1 for r in rows if r["ext"] != "n/a")
+    min_rows = max(1, int(getattr(args, "min_rows", 1) or 1))
+    if ran < min_rows:
+        print(f"selftest: {ran} -ext row(s) ran here, fewer than {min_rows}: this node is not checked "
+              "(every row is n/a; the reasons are above)", file=sys.stderr)
+        return 1
     return 1 if failed else 0

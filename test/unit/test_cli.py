@@ -45,3 +45,28 @@ def test_selftest_list_names_the_rows_and_runs_nothing(capsys):
                  "metadata get_buf isolated from slot reuse", "NSA _clear_buffers releases index_k"):
         assert name in names
     assert not any(line.startswith("[selftest]") for line in names)
+
+
+def _rows(*exts):
+    return [{"scenario": f"row {i}", "fix": "F6", "stock": "n/a", "ext": e, "not_run": "n/a on this release",
+             "bytes_verified": None, "seconds": 0.0} for i, e in enumerate(exts)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exts,min_rows,code", [
+    (("n/a", "n/a"), 1, 1),  # nothing ran: the node is not checked
+    (("pass", "n/a"), 1, 0),
+    (("pass", "n/a"), 2, 1),  # --min-rows 2, one ran
+    (("pass", "pass"), 2, 0),
+])
+def test_selftest_fails_when_fewer_rows_ran_than_asked(monkeypatch, capsys, exts, min_rows, code):
+    from sglang_disagg_ext.selftest import runner
+
+    monkeypatch.setattr(runner, "collect_rows", lambda *a, **k: _rows(*exts))
+    monkeypatch.setattr(runner, "device_preflight", lambda *a, **k: None)
+    args = cli.build_parser().parse_args(["selftest", "--backend", "mooncake", "--min-rows", str(min_rows)])
+    assert runner.main(args) == code
+    out = capsys.readouterr()
+    assert ("fewer than" in out.err) == (code == 1)
+    # The shared reason is printed once, naming how many rows it covers.
+    assert out.out.count("n/a on this release") == (1 if "n/a" in exts else 0)
