@@ -13,10 +13,11 @@ The last wave is clean: after the faults, the same workers must serve it.
 What every request ended as is judged here from the workers' records, never by
 the code under test (:func:`judge`): a valid request must end Success on both
 sides with every destination byte right; a faulted one Failed on both sides
-with a reason; every request final within the bound; no write on a page no
-request of its wave targeted; no thread of either worker gone. The same soak
-runs through the stock backend and the ``-ext`` one, and :func:`format_summaries`
-prints both side by side.
+with a reason, decode's not merely its own timeout (decode was told); every
+request final within the bound; no write on a page no request of its wave
+targeted; no thread of either worker gone. The same soak runs through the
+stock backend and the ``-ext`` one, and :func:`format_summaries` prints both
+side by side.
 
 In the middle wave the decode worker kills itself (SIGKILL, after sending the
 metadata of half that wave's requests) and the harness starts a new decode
@@ -175,8 +176,22 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
 
 
 OUTCOMES = ("ok", "failed_as_faulted", "failed_on_failed_post", "lost_with_decode", "collateral_failure",
-            "wrong_bytes", "split", "fault_unreported", "no_reason", "hung", "raised")
+            "wrong_bytes", "split", "fault_unreported", "no_reason", "decode_not_told", "hung", "raised")
 VIOLATIONS = OUTCOMES[4:]
+
+# What SGLang's decode records when it ends a room on its own clock (its waiting or
+# bootstrap timeout) instead of being told: "Request <room> timed out after <s>s in
+# KVPoll.WaitingForInput" (every release's receiver, 0.5.11 mooncake/nixl conn.py, 0.5.23
+# common/conn.py; MoRI "... waiting for KV transfer"). A told failure carries prefill's
+# reason (e.g. "Failed to send kv chunk of <room> to ...", "... destination index ...
+# outside decode's pool ...").
+DECODE_TIMEOUT_REASON = "timed out after"
+
+
+def decode_was_told(rr) -> bool:
+    """Decode ended the room Failed with a reason that is not merely its own timeout."""
+    reason = rr.decode_failure_reason or ""
+    return bool(reason) and DECODE_TIMEOUT_REASON not in reason
 
 
 def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
@@ -202,7 +217,11 @@ def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
         return "ok" if rr.bytes_verified and not rr.mismatches else "wrong_bytes"
     if req.fault is None:
         return "collateral_failure"
-    return "failed_as_faulted" if rr.prefill_failure_reason else "no_reason"
+    if not rr.prefill_failure_reason:
+        return "no_reason"
+    # Failed on decode only through its own timeout (or with no reason): prefill never
+    # told it, and a server's decode would hold the request that long.
+    return "failed_as_faulted" if decode_was_told(rr) else "decode_not_told"
 
 
 def _percentile(xs: List[float], q: float) -> Optional[float]:
@@ -225,7 +244,9 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     clean_ok = True
     # NIXL's failed posts name no request: a valid request Failed on both sides with a
     # reason, in a wave where posts were failed, counts against the posts failed; any
-    # beyond that many are collateral failures.
+    # beyond that many are collateral failures. (No record ties a failed post to its room:
+    # faults.FailedPosts counts posts, and 0.5.23 posts prepared handles with no
+    # notification tag, nixl/conn.py make_prepped_xfer.)
     n_waves = len(scn.waves())
     post_fault_waves = ({w for w in range(n_waves)} - {n_waves - 1, k}) if scn.fails_posts else set()
     posts_failed = (res.dropped_writes or {}).get("engine_calls_failed", 0) if scn.fails_posts else 0
@@ -240,6 +261,8 @@ def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
             faults[req.fault] += 1
         if o in VIOLATIONS and o not in examples:
             detail = rr.prefill_failure_reason or rr.decode_failure_reason or "; ".join(rr.mismatches[:2]) or ""
+            if o == "decode_not_told":  # what decode ended it with is the point here
+                detail = f"decode's reason {rr.decode_failure_reason!r}; prefill's {rr.prefill_failure_reason!r}"
             examples[o] = f"room {rr.room}: prefill {rr.prefill_status}, decode {rr.decode_status}: {detail}"[:400]
         if rr.index in clean_wave and o != "ok":
             clean_ok = False

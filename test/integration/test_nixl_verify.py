@@ -11,10 +11,13 @@ the digest. Stock (and -ext on 0.5.23) registers host memory through the harness
 (``harness/nixl_shim.py``); the plugin's F4 classes register it themselves.
 
 * Without verification (stock ``nixl``, ``nixl-ext`` with the switch off) decode
-  reports Success and the harness finds the wrong byte.
+  reports Success and the harness finds the wrong byte (KV in CI, every case with
+  ``SGLANG_DISAGG_EXT_ALL_FLIP_SIDES=1``).
 * With verification, decode reports Failed naming the component, the decode buffer
-  and the prefill rank(s): KV, the aux row, each state kind, heterogeneous TP 2->1,
-  1->2, 1->4 (head slices of KV and SWA state), a decode pool with an extra draft layer.
+  and the prefill rank(s), and the harness finds the flipped byte where it landed:
+  KV, the aux row, each state kind, heterogeneous TP 2->1, 1->2, 1->4 (head slices of
+  KV and SWA state), a decode pool with an extra draft layer (expected to fail:
+  ``NIXL_DRAFT_LAYER``).
 * No false alarm: random valid transfers with verification on (page maps, lengths,
   chunking, every state kind at equal TP; paged state kinds across TP sizes), all
   Success, every byte checked by the harness, every room counted as verified.
@@ -50,6 +53,7 @@ from support.verify_cases import (
     one_request,
     random_scenario,
     three_rooms,
+    two_sided_cases,
 )
 
 POLICY = releases.current_policy()
@@ -83,22 +87,60 @@ CASES = {
     "kv tp1->4": (lambda: one_request("nixl verify kv tp1->4", 1, 4), "kv", 3, 6, "[0]"),
     "swa tp1->2": (lambda: one_request("nixl verify swa tp1->2", 1, 2, kind="swa"), "state0", 2, 5, "[0]"),
     # Decode's SWA pool has one more (draft) layer: K0 K1 K2 V0 V1 V2; prefill's V of
-    # layer 0 lands in decode buffer 3, and the reason names the destination buffer.
+    # layer 0 belongs in decode buffer 3 (the flip is there), and the reason names the
+    # destination buffer (see NIXL_DRAFT_LAYER).
     "swa+draft layer": (lambda: one_request("nixl verify swa +1 layer", kind="swa", extra_layers=1),
                         "state0", 3, 5, "[0]"),
 }
 
+# Seen by the harness's byte check once the flip tests looked at it (stock nixl, nixl-ext and
+# verified nixl-ext alike, measured on 0.5.11 and 0.5.23, with and without the flip): with a
+# decode draft layer NIXL pairs the state buffers by position, so prefill's V0 (buffer 2) lands
+# in decode's draft K2 (buffer 2), V1 in decode's V0 (buffer 3), decode's V1 is never written;
+# Success on both sides, verified too (the digest follows the same pairing). The verified room
+# fails only on the flip. Mooncake pairs by layer (F7); NIXL has no such fix yet.
+NIXL_DRAFT_LAYER = pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="NIXL pairs state buffers by position with a decode draft layer: prefill V0 lands in "
+    "decode's draft K buffer, Success on both sides (verified too); no fix yet")
+
+
+def _case_params(cases) -> list:
+    return [pytest.param(c, marks=NIXL_DRAFT_LAYER) if c == "swa+draft layer" else c for c in cases]
+
+
+def _stock_cannot(scn) -> str:
+    """Why stock NIXL cannot serve ``scn`` on this release ("" where it can): F4 (up to
+    0.5.12.x) is live for every TP-size difference (stock decode never completes, or its bytes
+    land at the wrong offsets), F13 (0.5.13-0.5.21) for SWA state across TP sizes (stock raises)."""
+    if scn.prefill_tp == scn.decode_tp:
+        return ""
+    if POLICY.is_live("F4"):
+        return "F4 is live (stock's heterogeneous TP is the bug)"
+    if scn.state_pools and POLICY.is_live("F13"):
+        return "F13 is live (stock refuses SWA state across TP sizes)"
+    return ""
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["nixl", "nixl-ext"])
-def test_landed_flip_goes_unnoticed_without_verification(backend):
-    build, component, buffer, page, _ = CASES["kv"]
-    assert_flip_unnoticed(run_scenario(build(), backend, extra_env=_flip_env(backend, component, buffer, page)),
-                          buffer, page)
+@pytest.mark.parametrize("case", _case_params(two_sided_cases(CASES, ("kv",))))
+def test_landed_flip_goes_unnoticed_without_verification(case, backend):
+    """Stock and unverified ext: Success, and the harness's own byte check finds the flipped byte
+    on every decode rank, nothing else wrong. CI runs KV; ``SGLANG_DISAGG_EXT_ALL_FLIP_SIDES=1``
+    every case (the landed flip is the same decode-side hook for each)."""
+    if case == "dsv4" and NO_DSV4:
+        pytest.skip(f"n/a: stock NIXL on SGLang {POLICY.version} serves no DSv4 state (nixl_refuses_dsv4_state)")
+    build, component, buffer, page, _ = CASES[case]
+    scn = build()
+    why = _stock_cannot(scn) if backend == "nixl" else ""
+    if why:
+        pytest.skip(f"n/a: stock NIXL on SGLang {POLICY.version}: {why}")
+    result = run_scenario(scn, backend, extra_env=_flip_env(backend, component, buffer, page, scn.prefill_tp))
+    assert_flip_unnoticed(result, scn, component, buffer, page)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _case_params(CASES))
 def test_landed_flip_fails_the_room_with_verification(case):
     if case == "dsv4" and NO_DSV4:
         pytest.skip(f"n/a: stock NIXL on SGLang {POLICY.version} serves no DSv4 state (nixl_refuses_dsv4_state)")
@@ -106,7 +148,7 @@ def test_landed_flip_fails_the_room_with_verification(case):
     scn = build()
     result = run_scenario(scn, "nixl-ext",
                           extra_env={**VERIFY, **_flip_env("nixl-ext", component, buffer, page, scn.prefill_tp)})
-    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True)
+    assert_flip_failed_by_digest(result, component, buffer, ranks, prefill_told=True, scn=scn, page=page)
 
 
 # Stock NIXL up to 0.5.12.x serves mamba, swa and nsa state only (a DSv4 component fails the room).

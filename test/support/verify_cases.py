@@ -93,31 +93,83 @@ def flip_cases(engine: str) -> dict:
     }
 
 
+# The stock and unverified sides of a flip case cost a run each (about 5 s one rank a side,
+# 8 s with several ranks on a 2-core machine): CI runs them for a representative subset of
+# each engine's cases (``two_sided_cases``), a long run for every case with this set to 1.
+ALL_FLIP_SIDES_ENV = "SGLANG_DISAGG_EXT_ALL_FLIP_SIDES"
+
+
+def two_sided_cases(cases: dict, subset: Sequence[str]) -> list:
+    """The flip cases whose stock and unverified sides run: ``subset`` (in ``cases``' order), or
+    every case where ``SGLANG_DISAGG_EXT_ALL_FLIP_SIDES=1``."""
+    if os.environ.get(ALL_FLIP_SIDES_ENV, "") not in ("", "0"):
+        return list(cases)
+    missing = set(subset) - set(cases)
+    if missing:
+        raise ValueError(f"two-sided flip cases {sorted(missing)} are not cases")
+    return [c for c in cases if c in subset]
+
+
 def metric(text: str, sample: str) -> float:
     """The value of ``sglang_disagg_ext_<sample>`` in one worker's metrics text (0 where never counted)."""
     m = re.search(rf"sglang_disagg_ext_{re.escape(sample)} ([0-9.]+)", text)
     return float(m.group(1)) if m else 0.0
 
 
-def assert_flip_unnoticed(result, buffer: int, page: int) -> None:
+# The byte every flip hook changes in its block or page (inflight_flip: SGLANG_HARNESS_FLIP_OFFSET,
+# default 1; the tests leave it there).
+FLIP_OFFSET = 1
+
+
+def pool_label(scn: Scenario, component: str) -> str:
+    """The harness's name of decode pool ``component`` ("kv", "aux", "state<c>") in its mismatch
+    lines: worker.py names state pools "state<c>:<kind>"."""
+    if component.startswith("state"):
+        return f"{component}:{scn.state_pools[int(component[len('state'):])].kind}"
+    return component
+
+
+def assert_harness_saw_the_flip(result, scn: Scenario, component: str, buffer: int, page: int) -> None:
+    """The flip happened and landed: the harness's own byte check (independent of any digest)
+    finds exactly one wrong byte per decode rank, in decode ``component`` buffer ``buffer`` page
+    ``page`` at the flipped offset, and nothing else wrong. One rank a side compares whole pages
+    ("... (1/<n> bytes differ, first at offset 1)"); several ranks compare each element of the
+    heads a rank holds (byte 1 is token 0 of its first head: one element, one line per rank)."""
+    (req,) = result.requests
+    label = pool_label(scn, component)
+    ranks = scn.decode_tp
+    if component == "aux" or scn.prefill_tp == scn.decode_tp == 1:  # compared as whole pages
+        line = re.compile(rf"(decode\d+: )?{re.escape(label)} buffer {buffer} page {page}: expected prefill page "
+                          rf".*\(1/\d+ bytes differ, first at offset {FLIP_OFFSET}\)$")
+        hit = [m for m in req.mismatches if line.match(m)]
+    else:
+        hit = [m for m in req.mismatches if f" {label} buffer {buffer} (" in m and f") page {page} token 0 head " in m]
+    assert len(hit) == ranks and len(req.mismatches) == ranks, (label, buffer, page, req.mismatches)
+    assert not req.bytes_verified, result.describe()
+
+
+def assert_flip_unnoticed(result, scn: Scenario, component: str, buffer: int, page: int) -> None:
     """Stock or unverified: Success on both sides, and the harness's own byte check finds
-    the one wrong byte in KV buffer ``buffer`` page ``page``."""
+    the one wrong byte in decode ``component`` buffer ``buffer`` page ``page``."""
     (req,) = result.requests
     assert req.decode_status == "Success" and req.prefill_status == "Success", result.describe()
-    assert not req.bytes_verified, result.describe()
-    assert any(f"kv buffer {buffer} page {page}" in m for m in req.mismatches), req.mismatches
+    assert_harness_saw_the_flip(result, scn, component, buffer, page)
 
 
-def assert_flip_failed_by_digest(result, component: str, buffer: int, ranks: str, prefill_told: bool) -> None:
+def assert_flip_failed_by_digest(result, component: str, buffer: int, ranks: str, prefill_told: bool, *,
+                                 scn: Scenario, page: int) -> None:
     """Verified: Failed on every decode rank (each flipped its own copy of the page), each
     reason naming component, decode buffer and prefill rank(s), one mismatch counted per
     decode rank; prefill concluded Success before decode checked, and each prefill rank
     counts one notice per decode rank where it can hear them (``prefill_told``), else none.
     The notice reaches prefill after decode failed the room: the harness reads each
-    worker's metrics at its exit."""
+    worker's metrics at its exit. And the flip did land in decode page ``page`` of ``scn``'s
+    pool, as the harness's own byte check saw (:func:`assert_harness_saw_the_flip`): the
+    Failed is the flip's, not a digest that would fail anyway."""
     (req,) = result.requests
     assert "_V" in (result.decode_manager or "").rsplit(".", 1)[-1], result.describe()  # the composed class
     assert req.decode_status == "Failed" and req.prefill_status == "Success", result.describe()
+    assert_harness_saw_the_flip(result, scn, component, buffer, page)
     decodes = [k for k in result.plugin_metrics if k.startswith("decode")]
     want = f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) {ranks}"
     assert (req.decode_failure_reason or "").count(want) == len(decodes), req.decode_failure_reason

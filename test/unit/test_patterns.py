@@ -22,6 +22,8 @@ from sglang_disagg_ext.selftest.harness.scenario import (
     StateSpec,
 )
 
+pytestmark = pytest.mark.timeout(30)
+
 # -- page pairing (F1's rule: leading entries pair up, the rest is left alone) --
 
 PAIR_TABLE = [
@@ -101,20 +103,101 @@ def test_expected_after_first_request():
     assert (swa.name, mamba.name) == ("state0:swa", "state1:mamba")
 
 
-def test_expected_after_second_request_skips_earlier_pages():
+def test_expected_after_second_request_keeps_earlier_pages():
     scn = _two_request_scenario()
     exp = patterns.expected_after_request(scn, 1)
     kv, aux = exp[KV_POOL_ID], exp[AUX_POOL_ID]
     swa, mamba = exp[STATE_POOL_BASE], exp[STATE_POOL_BASE + 1]
     assert kv.writes == {7: 6}
-    # 4 and 5 were request 0's; page 1 is listed by request 1 but not moved (1 src page)
+    # 4 and 5 still hold request 0's prefill pages 1 and 2; page 1 is listed by
+    # request 1 but not moved (1 src page), so it keeps the sentinel
+    assert kv.kept == {4: (0, 1), 5: (0, 2)}
     assert kv.sentinel_pages == [0, 1, 2, 3, 6]
     assert aux.writes == {3: 3}  # dst_aux_index defaults to aux_index
+    assert aux.kept == {2: (0, 0)}
     assert aux.sentinel_pages == [0, 1]
     assert swa.writes == {0: 0, 1: 1}
+    assert swa.kept == {3: (0, 1), 4: (0, 2)}
     assert swa.sentinel_pages == [2, 5]
     assert mamba.writes == {}  # two prefill slots: nothing moves
+    assert mamba.kept == {2: (0, 0)}
     assert mamba.sentinel_pages == [0, 1]
+
+
+def test_pages_of_an_earlier_request_decode_does_not_hold_are_not_checked():
+    scn = _two_request_scenario()
+    exp = patterns.expected_after_request(scn, 1, held=set())  # request 0 ended Failed
+    assert all(e.kept == {} for e in exp.values())
+    assert exp[KV_POOL_ID].writes == {7: 6}
+    assert exp[KV_POOL_ID].sentinel_pages == [0, 1, 2, 3, 6]  # 4, 5: whatever request 0 left
+
+
+def _three_request_kv():
+    # r0: prefill 0, 1 -> decode 2, 3; r1: prefill 4 -> decode 3 (rewrites r0's page 3);
+    # r2: prefill 5 -> decode 0.
+    return Scenario(name="three", kv=KVPoolSpec(num_pages=6), requests=[
+        RequestSpec([0, 1], [2, 3]), RequestSpec([4], [3]), RequestSpec([5], [0])])
+
+
+@pytest.mark.parametrize(
+    "held, kept",
+    [
+        (None, {2: (0, 0), 3: (1, 4)}),  # every earlier request held: page 3 is r1's now
+        ({0, 1}, {2: (0, 0), 3: (1, 4)}),
+        ({0}, {2: (0, 0)}),  # r1 failed: its page 3 holds nothing derivable, r0's 2 still checked
+        ({1}, {3: (1, 4)}),  # r0 failed; r1 rewrote page 3 after it
+        (set(), {}),
+    ],
+)
+def test_kept_pages_follow_the_last_writer(held, kept):
+    exp = patterns.expected_after_request(_three_request_kv(), 2, held)[KV_POOL_ID]
+    assert exp.writes == {0: 5}
+    assert exp.kept == kept
+    assert exp.sentinel_pages == [1, 4, 5]
+
+
+def _kv_buffer_after_three(item=48):
+    """Decode KV buffer 0 after the three requests, every one held, built by hand."""
+    buf = patterns.sentinel_buffer(6, item)
+    buf[2] = patterns.page_bytes(KV_POOL_ID, 0, 0, item)  # r0
+    buf[3] = patterns.page_bytes(KV_POOL_ID, 0, 4, item)  # r1 over r0
+    buf[0] = patterns.page_bytes(KV_POOL_ID, 0, 5, item)  # r2
+    return buf
+
+
+def test_compare_accepts_earlier_requests_pages():
+    exp = patterns.expected_after_request(_three_request_kv(), 2)[KV_POOL_ID]
+    assert patterns.compare_buffer(_kv_buffer_after_three(), KV_POOL_ID, 0, exp, "kv buffer 0") == []
+
+
+def test_compare_catches_a_stray_write_into_an_earlier_requests_page():
+    exp = patterns.expected_after_request(_three_request_kv(), 2)[KV_POOL_ID]
+    buf = _kv_buffer_after_three()
+    buf[2] = patterns.page_bytes(KV_POOL_ID, 0, 5, 48)  # r2's page landed on r0's page 2 too
+    buf[3, 7] ^= 0xFF  # and one byte of r1's page 3 went wrong
+    problems = patterns.compare_buffer(buf, KV_POOL_ID, 0, exp, "kv buffer 0")
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(
+        "kv buffer 0 page 2: must still hold request 0's bytes (prefill page 0), found prefill page 5's bytes ("
+    ), problems
+    assert problems[1].startswith(
+        "kv buffer 0 page 3: must still hold request 1's bytes (prefill page 4), found unrecognised bytes"
+    ) and problems[1].endswith("(1/48 bytes differ, first at offset 7)"), problems
+
+
+def test_compare_rank_buffer_catches_a_stray_write_into_an_earlier_requests_page():
+    page_size, h, hb = 2, 2, 8
+    kw = dict(num_layers=1, page_size=page_size, total_heads=h, head_bytes=hb, heads=[1], dtype_size=2,
+              label="decode rank 1 kv buffer 0")
+    exp = patterns.expected_after_request(_three_request_kv(), 2)[KV_POOL_ID]
+    buf = patterns.sentinel_buffer(6, page_size * hb)
+    for dst, src in ((2, 0), (3, 4), (0, 5)):
+        buf[dst] = patterns.kv_rank_pages(0, [src], page_size, h, hb, [1])[0]
+    assert patterns.compare_kv_rank_buffer(buf, 0, exp, **kw) == []
+    buf[2] = patterns.SENTINEL  # r0's page 2 wiped
+    assert patterns.compare_kv_rank_buffer(buf, 0, exp, **kw) == [
+        "decode rank 1 kv buffer 0 (K layer 0) page 2: must still hold request 0's bytes (prefill page 0), "
+        "found the sentinel (16/16 bytes differ, first at offset 0)"]
 
 
 def test_repeated_decode_page_last_write_wins():

@@ -139,9 +139,21 @@ def _rr(**kw):
         (None, dict(bytes_verified=False, mismatches=["kv buffer 0 page 3: ..."]), "wrong_bytes"),
         (None, dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="x"),
          "collateral_failure"),
-        ("engine", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="Failed to send"),
-         "failed_as_faulted"),
+        ("engine", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="Failed to send",
+                        decode_failure_reason="Failed to send"), "failed_as_faulted"),
         ("engine", dict(prefill_status="Failed", decode_status="Failed"), "no_reason"),
+        # Decode told: prefill's reason reached it (mooncake-ext 0.5.23, a bad index).
+        ("bad_index", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="kv: index 795",
+                           decode_failure_reason="decode session 127.0.0.1:15649: kv: destination index 795 "
+                                                 "(position 3 of 5) outside decode's pool of 768 pages"),
+         "failed_as_faulted"),
+        # Decode never told: it ended the room on its own waiting timeout (SGLang's reason), or
+        # with no reason at all; prefill's reason alone does not make it "failed as faulted".
+        ("engine", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="Failed to send",
+                        decode_failure_reason="Request 1000 timed out after 8.0s in KVPoll.WaitingForInput"),
+         "decode_not_told"),
+        ("bad_index", dict(prefill_status="Failed", decode_status="Failed", prefill_failure_reason="kv: index 795"),
+         "decode_not_told"),
         ("bad_index", {}, "fault_unreported"),
         ("engine", dict(prefill_status="Failed", decode_status="Success"), "split"),
         (None, dict(decode_status="Transferring"), "hung"),
@@ -163,7 +175,7 @@ def test_judge_counts_and_verdict():
     scn.requests[1].fault = "engine"
     good = ScenarioResult("j", "mooncake-ext", requests=[
         _rr(index=0), _rr(index=1, prefill_status="Failed", decode_status="Failed", prefill_failure_reason="r",
-                          prefill_seconds=0.5, decode_seconds=0.25),
+                          decode_failure_reason="r", prefill_seconds=0.5, decode_seconds=0.25),
         _rr(index=2, prefill_seconds=0.1), _rr(index=3, decode_seconds=0.3)])
     s = soak.judge(scn, good)
     assert s["passed"] and s["outcomes"]["ok"] == 3 and s["outcomes"]["failed_as_faulted"] == 1
@@ -184,6 +196,27 @@ def test_judge_counts_and_verdict():
     # A run that ended early (fewer records than requests) never passes.
     short = ScenarioResult("j", "x", requests=good.requests[:2])
     assert not soak.judge(scn, short)["passed"]
+
+
+def test_judge_a_faulted_request_whose_decode_only_timed_out_is_a_violation():
+    # Two waves of 2; request 1 (wave 0) carries a bad index, the last wave is clean.
+    scn = Scenario("t", [RequestSpec([1], [k]) for k in range(4)], kv=KVPoolSpec(num_pages=8), aux_rows=2, wave=2)
+    scn.requests[1].fault = "bad_index"
+    timed_out = _rr(index=1, room=1001, prefill_status="Failed", decode_status="Failed", prefill_failure_reason="kv: index 9",
+                    decode_failure_reason="Request 1001 timed out after 8.0s in KVPoll.WaitingForInput")
+    s = soak.judge(scn, ScenarioResult("t", "mooncake-ext", requests=[_rr(index=0), timed_out, _rr(index=2),
+                                                                      _rr(index=3)]))
+    assert not s["passed"] and s["violations"] == 1
+    assert s["outcomes"]["decode_not_told"] == 1 and s["outcomes"]["failed_as_faulted"] == 0
+    assert s["violation_examples"]["decode_not_told"] == (
+        "room 1001: prefill Failed, decode Failed: decode's reason "
+        "'Request 1001 timed out after 8.0s in KVPoll.WaitingForInput'; prefill's 'kv: index 9'")
+    # The same request with decode told (prefill's reason on decode): no violation.
+    told = _rr(index=1, prefill_status="Failed", decode_status="Failed", prefill_failure_reason="kv: index 9",
+               decode_failure_reason="kv: index 9")
+    s = soak.judge(scn, ScenarioResult("t", "mooncake-ext", requests=[_rr(index=0), told, _rr(index=2),
+                                                                      _rr(index=3)]))
+    assert s["passed"] and s["outcomes"]["failed_as_faulted"] == 1 and s["outcomes"]["decode_not_told"] == 0
 
 
 def _failed(index, reason="NIXL transfer encountered ERR"):

@@ -19,15 +19,19 @@ plugin's code under test):
 * Aux: the request's prefill row -> its decode row, in every aux buffer (a
   KV-checksum buffer only decode has receives nothing).
 
-After request ``k`` the pages it targets must hold those source bytes, and
-every page no request ``0 .. k`` targets must still hold the sentinel. Pages
-only earlier requests targeted are not checked again.
+After request ``k`` the pages it targets must hold those source bytes; every
+other page must hold what the last request that targeted it left there: an
+earlier request whose bytes decode held (Success, every byte right at its own
+check) leaves its source bytes, and a page no request ``0 .. k`` targets still
+holds the sentinel. So a stray write into an earlier request's page is seen at
+the request that made it. Only a page whose last writer did not succeed (or
+whose bytes were already wrong) holds nothing derivable, and is not checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -114,9 +118,11 @@ def mamba_pairs(src: Optional[Sequence[int]], dst: Optional[Sequence[int]]) -> L
 class PoolExpectation:
     """What one pool on decode must look like after one request.
 
-    ``writes`` maps a decode page to the prefill page whose bytes it must hold;
-    ``sentinel_pages`` must still hold the sentinel. Pages in neither are not
-    checked (only earlier requests targeted them).
+    ``writes`` maps a decode page to the prefill page whose bytes this request
+    must have put there; ``kept`` maps a decode page an earlier request wrote,
+    and no later one targeted, to (that request, its prefill page): the bytes it
+    must still hold; ``sentinel_pages`` must still hold the sentinel. Pages in
+    none of them are not checked (their last writer did not succeed).
     """
 
     pool_id: int
@@ -124,6 +130,7 @@ class PoolExpectation:
     num_pages: int
     writes: Dict[int, int]
     sentinel_pages: List[int]
+    kept: Dict[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def _writes(pairs: List[Tuple[int, int]]) -> Dict[int, int]:
@@ -162,20 +169,36 @@ def pool_names(scn: Scenario) -> Dict[int, Tuple[str, int]]:
     return out
 
 
-def expected_after_request(scn: Scenario, index: int) -> Dict[int, PoolExpectation]:
-    """Pool id -> what decode must hold right after request ``index`` ends."""
+def expected_after_request(
+    scn: Scenario, index: int, held: Optional[Collection[int]] = None
+) -> Dict[int, PoolExpectation]:
+    """Pool id -> what decode must hold right after request ``index`` ends.
+
+    ``held``: the earlier requests whose bytes decode holds (decode Success with
+    every byte right at its own check); None: every earlier request. A page's
+    expected content is its last writer's: request ``index`` itself (``writes``),
+    else the last earlier request that targeted it if that one is held
+    (``kept``), else unknown if that one is not (a failed request may have
+    written part of its pages); a page nobody targeted keeps the sentinel.
+    """
+    names = pool_names(scn)
+    # Pool id -> decode page -> (request, prefill page) of its last writer, None where
+    # that writer is not held: replayed request by request, as decode saw them.
+    last: Dict[int, Dict[int, Optional[Tuple[int, int]]]] = {pid: {} for pid in names}
+    for k in range(index):
+        ok = held is None or k in held
+        for pid, pairs in request_pairs(scn, k).items():
+            for d, s in _writes(pairs).items():
+                last[pid][d] = (k, s) if ok else None
     pairs = request_pairs(scn, index)
-    touched: Dict[int, set] = {pid: set() for pid in pool_names(scn)}
-    for k in range(index + 1):
-        for pid, pages in _targeted(scn, k).items():
-            touched[pid] |= pages
     out = {}
-    for pid, (name, n) in pool_names(scn).items():
+    for pid, (name, n) in names.items():
         # An out-of-pool decode index (``allow_out_of_pool``) names no page
         # decode has: nothing to expect there.
         writes = {d: s for d, s in _writes(pairs.get(pid, [])).items() if 0 <= d < n}
-        sentinel = [p for p in range(n) if p not in touched[pid] and p not in writes]
-        out[pid] = PoolExpectation(pid, name, n, writes, sentinel)
+        kept = {d: ks for d, ks in sorted(last[pid].items()) if ks is not None and d not in writes and 0 <= d < n}
+        sentinel = [p for p in range(n) if p not in last[pid] and p not in writes]
+        out[pid] = PoolExpectation(pid, name, n, writes, sentinel, kept)
     return out
 
 
@@ -237,7 +260,7 @@ def source_buffer(
 
 def untouched(expectation: PoolExpectation) -> PoolExpectation:
     """The same pool with nothing written: every page must hold the sentinel."""
-    return dataclasses.replace(expectation, writes={}, sentinel_pages=list(range(expectation.num_pages)))
+    return dataclasses.replace(expectation, writes={}, kept={}, sentinel_pages=list(range(expectation.num_pages)))
 
 
 # -- comparison ----------------------------------------------------------------
@@ -306,9 +329,31 @@ def compare_buffer(
             )
     for p in dirty_sentinel_pages(actual, expectation):
         add(f"{label} page {p}: must be untouched, found {_identify(actual[p], pool_id, buffer, n_src, identify_buffers)}")
+    for dst, (k, src) in changed_kept_pages(actual, pool_id, buffer, expectation):
+        bad = np.nonzero(actual[dst] != page_bytes(pool_id, buffer, src, item))[0]
+        add(
+            f"{label} page {dst}: must still hold request {k}'s bytes (prefill page {src}), found "
+            f"{_identify(actual[dst], pool_id, buffer, n_src, identify_buffers)} ({bad.size}/{item} bytes differ, "
+            f"first at offset {int(bad[0])})"
+        )
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching pages not listed")
     return problems
+
+
+def changed_kept_pages(
+    actual: np.ndarray, pool_id: int, buffer: Optional[int], expectation: PoolExpectation
+) -> List[Tuple[int, Tuple[int, int]]]:
+    """(decode page, (request, prefill page)) of each page of ``expectation.kept`` that no
+    longer holds that request's bytes (uint8[num_pages, item_bytes]); ``buffer`` as in
+    :func:`compare_buffer`. One pattern evaluation for all of them."""
+    if not expectation.kept or buffer is None:
+        return []
+    dst = np.asarray(list(expectation.kept), dtype=np.int64)
+    src = np.asarray([s for _, s in expectation.kept.values()], dtype=np.int64)
+    want = _pattern(pool_id, buffer, src, actual.shape[1])
+    changed = ~np.all(actual[dst] == want, axis=1)
+    return [(int(d), expectation.kept[int(d)]) for d in dst[changed].tolist()]
 
 
 # -- KV heads over several TP ranks (multi-rank scenarios) ----------------------
@@ -431,6 +476,21 @@ def compare_kv_rank_buffer(
             )
     for p in dirty_sentinel_pages(actual, expectation):
         add(f"{label} ({kv} layer {layer}) page {p}: must be untouched, found written bytes")
+    if expectation.kept:
+        dst = np.asarray(list(expectation.kept), dtype=np.int64)
+        src = [s for _, s in expectation.kept.values()]
+        want = kv_rank_pages(buffer, src, page_size, total_heads, head_bytes, heads, pool_id)
+        got = actual[dst]
+        if got.shape != want.shape:
+            return problems + [f"{label}: page rows of {got.shape[1]} bytes, expected {want.shape[1]}"]
+        for i in np.nonzero(~np.all(got == want, axis=1))[0].tolist():
+            k, s = expectation.kept[int(dst[i])]
+            what = "the sentinel" if np.all(got[i] == SENTINEL) else "other bytes"
+            bad = np.nonzero(got[i] != want[i])[0]
+            add(
+                f"{label} ({kv} layer {layer}) page {int(dst[i])}: must still hold request {k}'s bytes (prefill "
+                f"page {s}), found {what} ({bad.size}/{got.shape[1]} bytes differ, first at offset {int(bad[0])})"
+            )
     if skipped:
         problems.append(f"{label}: {skipped} more mismatching elements not listed")
     return problems
