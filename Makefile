@@ -34,7 +34,7 @@ ALL_RELEASES := $(shell ls requirements/sglang-*.txt | sed 's|requirements/sglan
 # Releases whose CI leg also runs the real-server stage (make e2e).
 E2E_RELEASES ?= 0.5.11 0.5.23
 
-.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts bench-e2e
+.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts bench-e2e wheel
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh scripts/cpu_stubs/*.py scripts/cpu_stubs/*/*.py requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -90,6 +90,11 @@ bench: setup
 # (bench/e2e.py; writes bench/results.json key e2e).
 bench-e2e: setup
 	$(PY) -m bench.e2e $(BENCH_E2E_ARGS)
+
+# A wheel that knows the commit it was built from (build_info).
+wheel:
+	git rev-parse --short=12 HEAD > sglang_disagg_ext/_commit.txt
+	python3 -m pip wheel --no-deps --no-build-isolation -w dist . ; rc=$$?; rm -f sglang_disagg_ext/_commit.txt; exit $$rc
 
 # The long soak (issue 19): stock and -ext side by side; CI runs a short one in `make test`
 # (test/integration/test_soak_engine.py). SOAK_ARGS adds to or overrides the options.

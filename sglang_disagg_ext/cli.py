@@ -1,8 +1,7 @@
-"""Command line: ``sglang-disagg-ext doctor|selftest|launch-pd|gsm8k|tiny-model``.
+"""Command line: sglang-disagg-ext doctor|selftest|launch-pd|gsm8k|tiny-model.
 
-``doctor`` and ``selftest`` check a node; ``launch-pd``, ``gsm8k`` and
-``tiny-model`` are the deployment tools (``sglang_disagg_ext.deploy``), the same
-programs as ``scripts/*.py`` in a checkout, reachable from a wheel install.
+doctor and selftest check a node; launch-pd, gsm8k and tiny-model are the deployment
+tools (sglang_disagg_ext.deploy). Also: python -m sglang_disagg_ext.
 """
 
 from __future__ import annotations
@@ -58,12 +57,12 @@ def _deploy(name: str, argv) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_disagg_ext import __version__, releases
+    from sglang_disagg_ext import build_info, releases
 
     parser = argparse.ArgumentParser(prog="sglang-disagg-ext", description=__doc__)
     parser.add_argument(
         "--version", action="version",
-        version=f"%(prog)s {__version__} (SGLang {releases.installed_sglang_version() or 'not installed'})",
+        version=f"%(prog)s {build_info.version_line()} (SGLang {releases.installed_sglang_version() or 'not installed'})",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

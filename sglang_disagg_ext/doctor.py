@@ -34,6 +34,8 @@ def entry_point_status(policy: releases.ReleasePolicy):
     ]
     if not ours:
         return False, f"no {ENTRY_POINT_GROUP} entry point named {ENTRY_POINT_NAME} is installed"
+    if policy.version is None:
+        return False, "SGLang is not installed here"
     if not policy.has_plugin_framework:
         return False, (
             f"SGLang {policy.version} has no plugin framework; start servers with "
@@ -72,15 +74,21 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         for ext, base in releases.EXT_BACKENDS.items()
     }
     problems, warnings = [], []
-    if not policy.supported:
+    if policy.version is None:
+        import sys
+
+        problems.append(f"SGLang is not installed in {sys.executable}: install SGLang first (the plugin runs inside "
+                        "it), then this plugin, in the same environment")
+    elif not policy.supported:
         problems.append(
-            f"SGLang {policy.version or '(not installed)'} is not supported; supported: "
-            f"{releases.SUPPORTED_RANGE_TEXT}"
+            f"SGLang {policy.version} is not supported; supported: {releases.SUPPORTED_RANGE_TEXT}"
         )
     if policy.supported and not discovered and not launcher_ok:
         problems.append(entry_reason)
     if not policy.known:
         warnings.append(policy.unknown_release_warning())
+    if verification.invalid_setting():
+        problems.append(verification.invalid_setting())
     if policy.supported and not any(engines.values()):
         problems.append(f"no transfer engine ({', '.join(backend_table.NAMES)}) imports here")
     return {

@@ -182,6 +182,10 @@ def activate(ext_name: str) -> None:
         return
     if not policy.known and not _warned_unknown:
         _warn_unknown_release(policy)
+    from sglang_disagg_ext import verification
+
+    if verification.invalid_setting():
+        logger.error("sglang-disagg-ext: %s", verification.invalid_setting())
     if _active_backend is not None:
         deactivate()
     base = releases.EXT_BACKENDS[ext_name]

@@ -12,16 +12,32 @@ from __future__ import annotations
 
 import os
 import logging
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from sglang_disagg_ext import releases
 
 VERIFY_ENV = "SGLANG_DISAGG_EXT_VERIFY"
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
 def enabled() -> bool:
     """Whether ``SGLANG_DISAGG_EXT_VERIFY`` asks for verified transfers (off by default)."""
-    return os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in _ON
+
+
+def invalid_setting() -> Optional[str]:
+    """Why ``SGLANG_DISAGG_EXT_VERIFY`` is neither on nor off (``None`` when it is one of them).
+
+    Such a value leaves verification off; doctor reports it as a problem and the first
+    ``-ext`` manager logs it as an ERROR, so a typo never turns the check off silently."""
+    value = os.environ.get(VERIFY_ENV, "")
+    if value.strip().lower() in _ON + _OFF:
+        return None
+    return (f"{VERIFY_ENV}={value!r} is neither on ({', '.join(_ON)}) nor off ({', '.join(repr(v) for v in _OFF)}): "
+            "verified transfers stay off")
 
 
 def available(policy: releases.ReleasePolicy) -> Dict[str, str]:

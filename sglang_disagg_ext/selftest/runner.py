@@ -370,6 +370,10 @@ def soak_main(args, policy, options) -> int:
 
 def main(args) -> int:
     policy = releases.current_policy()
+    if policy.version is None:
+        print(f"selftest: SGLang is not installed in {sys.executable}: install SGLang first (the self-test runs "
+              "its managers), then this plugin, in the same environment", file=sys.stderr)
+        return 2
     try:
         policy.check_supported()
     except releases.UnsupportedSGLangRelease as exc:

@@ -33,7 +33,12 @@ def test_version_names_plugin_and_sglang(capsys):
         cli.main(["--version"])
     assert exc.value.code == 0
     out = capsys.readouterr().out.strip()
-    assert out == f"sglang-disagg-ext {version('sglang-disagg-ext')} (SGLang {releases.installed_sglang_version()})"
+    from sglang_disagg_ext import __version__, build_info
+
+    assert version("sglang-disagg-ext") == __version__
+    commit = build_info.commit()
+    assert commit != "unknown" and len(commit) == 12  # a checkout: git names it
+    assert out == f"sglang-disagg-ext {__version__} (commit {commit}) (SGLang {releases.installed_sglang_version()})"
 
 
 @pytest.mark.timeout(60)
@@ -70,3 +75,25 @@ def test_selftest_fails_when_fewer_rows_ran_than_asked(monkeypatch, capsys, exts
     assert ("fewer than" in out.err) == (code == 1)
     # The shared reason is printed once, naming how many rows it covers.
     assert out.out.count("n/a on this release") == (1 if "n/a" in exts else 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_verify_setting_that_is_neither_on_nor_off_is_named(monkeypatch):
+    from sglang_disagg_ext import verification
+
+    monkeypatch.setenv(verification.VERIFY_ENV, "banana")
+    assert not verification.enabled()
+    assert "SGLANG_DISAGG_EXT_VERIFY='banana' is neither on" in verification.invalid_setting()
+    for value in ("1", "on", "", "0", "off"):
+        monkeypatch.setenv(verification.VERIFY_ENV, value)
+        assert verification.invalid_setting() is None
+
+
+@pytest.mark.timeout(120)
+def test_python_dash_m_runs_the_command_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sglang_disagg_ext", "--help"], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and "doctor" in out.stdout and "``" not in out.stdout
