@@ -52,9 +52,9 @@ class FixEntry:
 
 REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
     FixEntry("F1", (_CORE + "state_plan.py", _CORE + "rate_limit.py"), (_BACK + "mooncake.py",), (),
-             (_SCN + "mooncake.py",), (_IT + "test_mooncake_ext.py",), "README.md#who-needs-it"),
+             (_SCN + "mooncake.py",), (_IT + "test_mooncake_ext.py",), "docs/fixes.md"),
     FixEntry("F2", (_CORE + "state_plan.py",), (_BACK + "mooncake.py",), (),
-             (_SCN + "mooncake.py",), (_IT + "test_mooncake_ext.py",), "README.md#who-needs-it"),
+             (_SCN + "mooncake.py",), (_IT + "test_mooncake_ext.py",), "docs/fixes.md"),
     FixEntry("F3", (_CORE + "state_wire.py", _CORE + "state_blocks.py"),
              (_BACK + "mori.py", _BACK + "mori_transfer_info.py"), (),
              (_SCN + "mori.py",), (_IT + "test_mori_ext.py",), "docs/mori.md"),
@@ -65,17 +65,17 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (_SCN + "f5.py",), (_IT + "test_retract_f5.py",), "docs/f5-retract.md"),
     FixEntry("F6", (_CORE + "index_bounds.py",), (_BACK + "mooncake_isolation.py", _BACK + "mooncake_peers.py"), (),
              (_SCN + "isolation.py",), (_IT + "test_mooncake_isolation.py", _IT + "test_soak_engine.py"),
-             "README.md#who-needs-it"),
+             "docs/fixes.md"),
     FixEntry("F7", (_CORE + "layer_pairing.py",), (_BACK + "mooncake_state_pairing.py",), (),
-             (_SCN + "state_pairing.py",), (_IT + "test_mooncake_state_pairing.py",), "README.md#who-needs-it"),
+             (_SCN + "state_pairing.py",), (_IT + "test_mooncake_state_pairing.py",), "docs/fixes.md"),
     FixEntry("F8", (_CORE + "thread_survival.py",), (_BACK + "mooncake_threads.py",), (),
-             (_SCN + "thread_survival.py",), (_IT + "test_mooncake_threads.py",), "README.md#who-needs-it"),
+             (_SCN + "thread_survival.py",), (_IT + "test_mooncake_threads.py",), "docs/fixes.md"),
     FixEntry("F9", (_CORE + "registration_check.py", _CORE + "index_bounds.py"),
              (_BACK + "mooncake_registration.py", _BACK + "mooncake_peers.py"), (),
-             (_SCN + "registration.py",), (_IT + "test_mooncake_registration.py", _IT + "test_registration.py"),
-             "README.md#who-needs-it"),
+             (_SCN + "registration.py",), (_IT + "test_mooncake_registration.py",),
+             "docs/fixes.md"),
     FixEntry("F10", (_CORE + "gate_deadline.py",), (), (_BACK + "metadata_gate.py",),
-             (_SCN + "metadata_gate.py",), (_IT + "test_metadata_gate.py",), "README.md#who-needs-it"),
+             (_SCN + "metadata_gate.py",), (_IT + "test_metadata_gate.py",), "docs/fixes.md"),
     FixEntry("F11", (_CORE + "head_slice.py",), (_BACK + "nixl_newest.py", _BACK + "nixl_registration.py"), (),
              (_SCN + "nixl_newest.py",), (_IT + "test_nixl_newest.py",), "docs/nixl.md"),
     FixEntry("F12", (_CORE + "aux_rows.py",), (_BACK + "mori_newest.py", _BACK + "mori_aux_rows.py"), (),
@@ -83,13 +83,23 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
     FixEntry("F13", (_CORE + "head_slice.py",), (_BACK + "nixl_swa_tp.py", _BACK + "nixl_registration.py"), (),
              (_SCN + "nixl.py",), (_IT + "test_nixl_swa_tp.py",), "docs/nixl.md"),
     FixEntry("F14", (), (_BACK + "prefill_pairing.py", _BACK + "common_fixes.py"), (),
-             (), ("test/unit/test_prefill_pairing.py", "test/servers/test_pd_faults.py"), "README.md#who-needs-it"),
+             (), ("test/unit/test_prefill_pairing.py", "test/servers/test_pd_faults.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.
 ALWAYS = ("test/unit/test_release_facts.py",)
-# releases.ACTIVATION: the -ext name taken, routed and reported.
-ACTIVATION_TESTS = (_IT + "test_registration.py", _IT + "test_doctor.py", _IT + "test_metrics.py")
+# The plugin loads and routes on a release (its -ext names parse to the base name, every
+# importer of get_kv_class sees the route, doctor reads the release's facts, a transfer is
+# counted; on 0.5.10.post1 through the launcher). Node ids, not whole files: a family leg proves
+# activation, the full leg runs every test of these files.
+ACTIVATION_TESTS = (
+    _IT + "test_registration.py::test_ext_name_parses_to_base_and_routes",
+    _IT + "test_registration.py::test_every_importer_sees_the_route",
+    _IT + "test_registration.py::test_ext_name_takes_base_branch_at_every_string_site",
+    _IT + "test_doctor.py::test_doctor_json_matches_release_facts",
+    _IT + "test_metrics.py::test_a_real_transfer_exports_what_it_did",
+    _IT + "test_launcher.py::test_launcher_routes_in_spawned_children_without_editing_sglang",
+)
 
 
 def tests_for(proven) -> Tuple[str, ...]:
@@ -99,4 +109,5 @@ def tests_for(proven) -> Tuple[str, ...]:
     for fix in proven:
         tests = ACTIVATION_TESTS if fix == releases.ACTIVATION else REGISTRY[fix].tests
         out += [t for t in tests if not t.startswith("test/servers/") and t not in out]
-    return tuple(out)
+    # A node id whose file already runs whole would run twice.
+    return tuple(t for t in out if "::" not in t or t.split("::")[0] not in out)

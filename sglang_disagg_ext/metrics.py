@@ -69,13 +69,13 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Decode sessions probed after a failed transfer before being marked failed (F6)", ("fix", "result")),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
     "verified_transfers_total": (
-        "counter", "Rooms decode checked against the prefill digest (issue 16)", ("result",)),
+        "counter", "Rooms decode checked against the prefill digest (SGLANG_DISAGG_EXT_VERIFY=1)", ("result",)),
     "verify_mismatches_total": (
-        "counter", "Verified rooms ended Failed on a digest mismatch (issue 16)", ("component",)),
+        "counter", "Verified rooms ended Failed on a digest mismatch (SGLANG_DISAGG_EXT_VERIFY=1)", ("component",)),
     "verify_mismatch_reports_total": (
-        "counter", "Rooms this prefill sent that a decode reported as failing verification (issue 16)", ()),
+        "counter", "Rooms this prefill sent that a decode reported as failing verification (SGLANG_DISAGG_EXT_VERIFY=1)", ()),
     "verify_mismatch_notices_sent_total": (
-        "counter", "Mismatch notices this decode sent, by prefill rank address (issue 16)", ("prefill",)),
+        "counter", "Mismatch notices this decode sent, by prefill rank address (SGLANG_DISAGG_EXT_VERIFY=1)", ("prefill",)),
     "transfers_total": (
         "counter", "Requests whose KV transfer reached a definite state (success or failed)",
         ("backend", "role", "outcome")),

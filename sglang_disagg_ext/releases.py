@@ -1367,9 +1367,9 @@ def covering_releases(start=()) -> Tuple[str, ...]:
     return tuple(sorted(set(chosen), key=Version))
 
 
-# Releases whose CI leg runs the whole suite: every release with patches/ (their patched-stock
-# stage) and the default test environment (``make test``). scripts/ci_plan.py checks the list.
-FULL_LEGS = ("0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.23")
+# The release whose CI leg runs the whole suite (the newest: most fixes live, the real-server
+# stage); every other leg runs the tests of what it proves. scripts/ci_plan.py checks it.
+FULL_LEGS = (NEWEST_KNOWN,)
 
 
 @functools.lru_cache(maxsize=1)
@@ -1398,11 +1398,12 @@ def proving_release(version: str, fix: str, ci: Tuple[str, ...]) -> Optional[str
     if key is None:
         return None
     same = [v for v in ci if _proves(v, fix) and fix_family_key(v, fix) == key]
-    # A full leg first (it runs every test anyway), then the release itself where it runs, then the first.
+    # A full leg first (it runs every test anyway), then the oldest CI release with that code: each
+    # fix's tests run once per code family, not once per leg.
     for v in same:
         if v in FULL_LEGS:
             return v
-    return version if version in same else (same[0] if same else None)
+    return same[0] if same else None
 
 
 def probe_differences(a: str, b: str) -> Dict[str, Tuple[object, object]]:

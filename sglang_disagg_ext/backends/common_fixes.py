@@ -31,9 +31,16 @@ def compose(classes: Dict[str, type], package, manager_attr: str, policy: Releas
         return classes
     base = classes.get(manager_attr) or getattr(package, manager_attr)
     fixes = "".join(fix for fix, _ in mixins)
+    # Over one of the plugin's own managers the composed class keeps that class's module and name:
+    # the activation line, doctor and the tests name the engine's adapter (which fixes it carries
+    # is in the activation line). Over SGLang's own manager it must not pass for stock: it is
+    # named here, with its fixes.
+    ours = base.__module__.startswith("sglang_disagg_ext.")
     composed = type(
-        f"{base.__name__}_{fixes}",
+        base.__name__ if ours else f"{base.__name__}_{fixes}",
         tuple(m for _, m in mixins) + (base,),
-        {"__module__": __name__, "__doc__": f"{base.__doc__} With {', '.join(m.__name__ for _, m in mixins)}."},
+        {"__module__": base.__module__ if ours else __name__,
+         "__qualname__": base.__qualname__ if ours else f"{base.__name__}_{fixes}",
+         "__doc__": f"{base.__doc__} With {', '.join(m.__name__ for _, m in mixins)}."},
     )
     return {**classes, manager_attr: composed}

@@ -208,23 +208,58 @@ def _evaluate(node, backend_value):
     return eval(compile(expr, "<site>", "eval"), {"__backend__": backend_value})
 
 
+# Each -ext name and the backend name SGLang must see instead, written out by hand.
+BASE_NAMES = {"mooncake-ext": "mooncake", "nixl-ext": "nixl", "mori-ext": "mori"}
+
+
+@pytest.mark.timeout(30)
+def test_every_ext_name_has_its_base_written_out_here():
+    assert releases.EXT_BACKENDS == BASE_NAMES
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ext_name,base", list(releases.EXT_BACKENDS.items()))
+@pytest.mark.parametrize("ext_name,base", sorted(BASE_NAMES.items()))
+def test_ext_name_reaches_sglang_as_the_base_name(loaded, tiny_model_dir, ext_name, base):
+    """What every backend-name comparison in SGLang reads, ``disaggregation_transfer_backend``
+    after SGLang's own parsing and post-processing: with the plugin, the -ext name parses to
+    exactly the base name (a ``str``, the literal above); stock's parser, the plugin
+    deactivated, gives the base name for the base name too."""
+    ext_value = _server_args(tiny_model_dir, ext_name).disaggregation_transfer_backend
+    assert type(ext_value) is str and ext_value == base, ext_value
+    loaded.deactivate()
+    assert _server_args(tiny_model_dir, base).disaggregation_transfer_backend == base
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ext_name,base", sorted(BASE_NAMES.items()))
 def test_ext_name_takes_base_branch_at_every_string_site(loaded, tiny_model_dir, policy, ext_name, base):
+    """Every comparison of ``disaggregation_transfer_backend`` with a literal in the installed
+    SGLang, evaluated three ways: with the value SGLang holds for the -ext name (parsed with the
+    plugin), with the base name (the literal above) and with the -ext name as typed. Where the
+    last two take different branches (the sites the rewrite is for: e.g. 0.5.11
+    server_args.py:3788 ``!= "mooncake"``, :3746 ``!= "nixl"``), the parsed value must take the
+    base name's branch, not the typed name's; so a plugin that let the -ext name through fails
+    here. A release with no such site for a name skips, naming it (the value itself is checked
+    above)."""
     sites = _string_sites()
     expected_min = STRING_SITES_BY_RELEASE.get(policy.version)
     if expected_min is not None:
         assert len(sites) >= expected_min, [s for s, _ in sites]
     assert sites
     ext_value = _server_args(tiny_model_dir, ext_name).disaggregation_transfer_backend
-    loaded.deactivate()
-    base_value = _server_args(tiny_model_dir, base).disaggregation_transfer_backend
+    telling = {}
     for where, node in sites:
         try:
-            ext_branch = _evaluate(node, ext_value)
+            as_base, as_typed = _evaluate(node, base), _evaluate(node, ext_name)
         except NameError:
             continue  # compares against another variable, not a literal: same value, same branch
-        assert ext_branch == _evaluate(node, base_value), where
+        if as_base != as_typed:
+            telling[where] = (node, as_base, as_typed)
+    if not telling:
+        pytest.skip(f"n/a on SGLang {policy.version}: none of its {len(sites)} backend-name comparisons tells "
+                    f"{ext_name!r} from {base!r}")
+    for where, (node, as_base, as_typed) in telling.items():
+        assert _evaluate(node, ext_value) == as_base != as_typed, where
 
 
 @pytest.mark.timeout(120)
@@ -292,7 +327,7 @@ def test_sglang_plugins_whitelist_is_respected(tiny_model_dir, policy):
 @pytest.mark.timeout(60)
 def test_unsupported_release_is_a_clear_error_at_start(loaded, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(releases, "_current", releases.policy_for("0.5.9"))
-    with pytest.raises(releases.UnsupportedSGLangRelease, match=r"does not support SGLang 0\.5\.9; supported releases: 0\.5\.10\.post1"):
+    with pytest.raises(releases.UnsupportedSGLangRelease, match=r"does not support SGLang 0\.5\.9; supported releases: every release 0\.5\.10\.post1 through 0\.5\.23"):
         _server_args(tiny_model_dir, "mooncake-ext")
     # The stock names keep working with the plugin installed.
     assert _server_args(tiny_model_dir, "mooncake").disaggregation_transfer_backend == "mooncake"
@@ -397,7 +432,7 @@ print(args.disaggregation_transfer_backend, cls.__module__, registration.active_
     assert out.stdout.split() == ["mooncake", "sglang.srt.disaggregation.mooncake.conn", "mooncake-ext"], out.stdout
     warnings = [line for line in out.stderr.splitlines() if "is newer than the newest release" in line]
     assert len(warnings) == 1, out.stderr[-3000:]
-    assert "SGLang 0.6.0 is newer than the newest release sglang-disagg-ext knows (0.5.23;" in warnings[0]
+    assert "SGLang 0.6.0 is newer than the newest release sglang-disagg-ext knows (0.5.23): no fix is active" in warnings[0]
 
 
 @pytest.mark.timeout(120)

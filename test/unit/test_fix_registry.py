@@ -24,9 +24,20 @@ def test_a_leg_runs_the_tests_of_what_it_proves():
     assert got == ("test/unit/test_release_facts.py", "test/integration/test_metadata_gate.py",
                    "test/integration/test_nixl_swa_tp.py")
     got = fix_registry.tests_for(("F9", "F14", releases.ACTIVATION))
-    assert got == ("test/unit/test_release_facts.py", "test/integration/test_mooncake_registration.py",
-                   "test/integration/test_registration.py", "test/unit/test_prefill_pairing.py",
-                   "test/integration/test_doctor.py", "test/integration/test_metrics.py")
+    assert got[:3] == ("test/unit/test_release_facts.py", "test/integration/test_mooncake_registration.py",
+                       "test/unit/test_prefill_pairing.py")
+    # activation: node ids, each once
+    assert got[3:] == fix_registry.ACTIVATION_TESTS
+    # a node id whose file a fix runs whole is not run again
+    assert fix_registry.tests_for(("F12", releases.ACTIVATION)).count("test/integration/test_mori_ext.py") == 1
+
+
+@pytest.mark.timeout(10)
+def test_activation_node_ids_name_real_tests():
+    for node in fix_registry.ACTIVATION_TESTS:
+        path, name = node.split("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert f"def {name}(" in f.read(), node
 
 
 @pytest.mark.timeout(10)

@@ -21,12 +21,21 @@ VERSION = releases.installed_sglang_version()
 
 
 @pytest.mark.timeout(120)
-def test_the_installed_release_matches_its_record():
+def test_the_installed_release_matches_its_record(monkeypatch):
     recorded = releases.recorded_facts().get(VERSION)
     assert recorded is not None, f"no probe record for SGLang {VERSION}: run scripts/record_release_facts.py"
+    before = set(sys.modules)
     if importlib.util.find_spec("mori") is None:
-        sys.path.insert(0, STANDIN)
-    live = releases.probe_record(releases.SGLangFeatures())  # a fresh record: nothing cached from earlier tests
+        monkeypatch.syspath_prepend(STANDIN)  # on this test's path only
+    try:
+        live = releases.probe_record(releases.SGLangFeatures())  # a fresh record: nothing cached from earlier tests
+    finally:
+        # A later test in the same worker must not find the stand-in's "mori" (nor SGLang's MoRI
+        # modules bound to it) already imported.
+        for name in set(sys.modules) - before:
+            if name == "mori" or name.startswith(("mori.", "sglang.srt.disaggregation.mori")):
+                del sys.modules[name]
+        importlib.invalidate_caches()
     assert sorted(recorded) == sorted(live), set(recorded) ^ set(live)
     differs = {k: (recorded[k], live[k]) for k in live if recorded[k] != live[k]}
     assert not differs, f"recorded vs live on {VERSION}: {differs}"
