@@ -85,3 +85,23 @@ def test_a_release_without_a_record_claims_no_fix():
     policy = releases.policy_for("0.5.12")
     assert policy.active_fixes() == []
     assert policy.fixes["F3"] is releases.FixStatus.UNCOVERED
+
+
+# By hand from each wheel's srt/disaggregation/utils.py (MetadataBuffers.__init__): 0.5.11 has
+# neither optional buffer; 0.5.16 has the sampling mask (its `sampling_mask` rows) and no KV
+# checksum; 0.5.23 has both (`kv_checksum_enabled: bool = False` at utils.py:410, `self.kv_checksum`
+# at :491). These two probes gate F9's optional-buffer tests (a buffer on one side only), so a
+# wrong probe would silently skip them.
+OPTIONAL_BUFFERS_BY_HAND = {
+    "0.5.11": {"metadata_buffers_kv_checksum": False, "metadata_buffers_sampling_mask": False},
+    "0.5.16": {"metadata_buffers_kv_checksum": False, "metadata_buffers_sampling_mask": True},
+    "0.5.23": {"metadata_buffers_kv_checksum": True, "metadata_buffers_sampling_mask": True},
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("version", sorted(OPTIONAL_BUFFERS_BY_HAND))
+def test_the_probes_that_gate_f9_tests_match_the_wheels_read_by_hand(version):
+    recorded = releases.recorded_facts()[version]
+    for probe, want in OPTIONAL_BUFFERS_BY_HAND[version].items():
+        assert recorded[probe] is want, (version, probe, recorded[probe])
