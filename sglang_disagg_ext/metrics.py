@@ -15,7 +15,8 @@ the transfer path.
 
 Names (all prefixed ``sglang_disagg_ext_``):
 
-* ``info`` (gauge, 1): labels ``version``, ``backend`` (the ``-ext`` name),
+* ``info`` (gauge, 1): labels ``version``, ``commit`` (the build's, ``build_info.commit``: two
+  builds of one version told apart), ``backend`` (the ``-ext`` name),
   ``sglang``, ``fixes`` (the fixes the plugin installs here).
 * ``state_trims_total``: F1 page-list trims, by ``component`` and ``kind``.
 * ``requests_refused_total``: requests ended before the engine, by ``fix`` and
@@ -58,7 +59,8 @@ PREFIX = "sglang_disagg_ext_"
 
 # name -> (kind, help, label names)
 DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
-    "info": ("gauge", "sglang-disagg-ext is active in this process (value 1)", ("version", "backend", "sglang", "fixes")),
+    "info": ("gauge", "sglang-disagg-ext is active in this process (value 1)",
+             ("version", "commit", "backend", "sglang", "fixes")),
     "state_trims_total": ("counter", "State page lists aligned by trimming the longer side (F1)", ("component", "kind")),
     "requests_refused_total": ("counter", "Requests ended Failed before reaching the transfer engine", ("fix", "reason")),
     "transfer_failures_total": (
@@ -157,9 +159,11 @@ def zero_transfer_series(backend: str, role: str) -> None:
 def set_info(version: str, backend: Optional[str], sglang: Optional[str], fixes) -> None:
     """The ``info`` gauge for this process (called once the ``-ext`` manager exists)."""
     try:
+        from sglang_disagg_ext import build_info
+
         metric = _metric("info")
         if metric is not None:
-            metric.labels(version=version, backend=backend or "", sglang=sglang or "",
+            metric.labels(version=version, commit=build_info.commit(), backend=backend or "", sglang=sglang or "",
                           fixes=",".join(fixes)).set(1)
     except Exception:  # noqa: BLE001
         logger.debug("info metric not set", exc_info=True)

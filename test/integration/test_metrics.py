@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_disagg_ext import __version__, releases
+from sglang_disagg_ext import __version__, build_info, releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import with_state
 from sglang_disagg_ext.selftest.scenarios.isolation import SCENARIOS as ISOLATION
@@ -43,7 +43,8 @@ def _samples(text: str):
 def _info(samples, backend: str):
     fixes = ",".join(POLICY.active_fixes())
     key = ("sglang_disagg_ext_info", tuple(sorted(
-        {"version": __version__, "backend": backend, "sglang": POLICY.version, "fixes": fixes}.items())))
+        {"version": __version__, "commit": build_info.commit(), "backend": backend, "sglang": POLICY.version,
+         "fixes": fixes}.items())))
     return samples.get(key)
 
 
