@@ -9,18 +9,27 @@ a row is never counted as passed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Dict, List, Optional
 
 COLUMNS = ("scenario", "fix", "backend", "stock", "ext", "verified", "seconds")
 
-# Set by the CLI: one line on stderr per finished row, so a run of minutes talks.
-_progress_stream = None
+# Switched on by the CLI for the length of one run: one line on stderr per finished row, so a
+# run of minutes talks. A flag, not a stream: the line goes to the ``sys.stderr`` of the moment,
+# so a stream replaced or closed since (pytest's capture of an earlier test) is never written.
+_progress = False
 
 
-def show_progress(stream=sys.stderr) -> None:
-    global _progress_stream
-    _progress_stream = stream
+@contextlib.contextmanager
+def progress_on_stderr():
+    """One progress line per finished row while inside; off again after, whatever happens."""
+    global _progress
+    before, _progress = _progress, True
+    try:
+        yield
+    finally:
+        _progress = before
 
 
 def make_row(scenario: str, fix: str, backend: str, stock: str, ext: str, verified: bool, seconds: float,
@@ -40,11 +49,11 @@ def make_row(scenario: str, fix: str, backend: str, stock: str, ext: str, verifi
     if ext == "n/a":
         row["not_run"] = why
     row.update(extra)
-    if _progress_stream is not None:
+    if _progress:
         tail = f" (not run: {why})" if ext == "n/a" else ""
         print(
             f"[selftest] {fix} {backend} {scenario!r}: stock {stock}, ext {ext}, {row['seconds']:.1f}s{tail}",
-            file=_progress_stream, flush=True,
+            file=sys.stderr, flush=True,
         )
     return row
 

@@ -31,7 +31,7 @@ from sglang_disagg_ext import __version__, releases, verification
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness.transport import TransferOptions, TransportOptionError
 from sglang_disagg_ext.backend_table import BACKENDS
-from sglang_disagg_ext.selftest.rows import format_table, make_row, show_progress, summary_line, totals
+from sglang_disagg_ext.selftest.rows import format_table, make_row, progress_on_stderr, summary_line, totals
 
 # Worker errors after which every further run of this selftest would fail the
 # same way (the engine or the device cannot start here): later scenarios are
@@ -413,7 +413,6 @@ def main(args) -> int:
         for ext, why in verification.available(policy).items():
             if why and ext.split("-")[0] in backends:
                 print(f"[selftest] --verify: {ext} rows run unverified: {why}", file=sys.stderr)
-    show_progress(sys.stderr)
     print(f"[selftest] SGLang {policy.version} ({policy.support_text}); backends {', '.join(backends)}; "
           f"{options.describe()}; "
           + ("each row runs -ext only (--ext-only)" if getattr(args, "ext_only", False) else
@@ -422,7 +421,8 @@ def main(args) -> int:
     # SGLang's import-time UserWarnings (no Triton, no CUDA kernels) say nothing about transfers.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
     ext_only = bool(getattr(args, "ext_only", False))
-    rows = collect_rows(backends, args.timeout, options=options, names=names, ext_only=ext_only)
+    with progress_on_stderr():
+        rows = collect_rows(backends, args.timeout, options=options, names=names, ext_only=ext_only)
     failed = [r for r in rows if r["ext"] not in ("pass", "n/a")]
     counts = totals(rows)
     if args.json:
