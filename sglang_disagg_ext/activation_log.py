@@ -31,7 +31,8 @@ def record(line: Optional[str], backend: Optional[str] = None) -> None:
 
 def announce(manager) -> bool:
     """Log the recorded line once per process (``manager``: the ``-ext`` KV manager just built);
-    True if this call logged it. Also sets the info metric and this role's transfer series at zero."""
+    True if this call logged it. Also fixes the process's SGLang labels for every series (from
+    ``manager``), sets the info metric and this role's transfer series at zero."""
     global _announced
     from sglang_disagg_ext import __version__
 
@@ -45,6 +46,7 @@ def announce(manager) -> bool:
     from sglang_disagg_ext import metrics, releases
 
     policy = releases.current_policy()
+    metrics.set_process_labels(releases.sglang_metric_labels(manager))
     metrics.set_info(__version__, _backend, policy.version, policy.active_fixes())
     mode = getattr(getattr(manager, "disaggregation_mode", None), "value", None)
     if _backend and mode in ("prefill", "decode"):

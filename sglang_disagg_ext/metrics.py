@@ -13,6 +13,13 @@ first metric is touched: by then SGLang has set the directory. Without
 ``prometheus_client`` every call is a no-op. A metric update never raises into
 the transfer path.
 
+Every series also carries SGLang's own scheduler labels where the process's manager holds
+them (``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``, ``dp_rank``, then
+``--extra-metric-labels``; ``releases.sglang_metric_labels``), so a rule can join or divide
+the plugin's series by SGLang's. They are fixed when the first ``-ext`` manager of the process
+is built (``activation_log.announce``), before any series exists; an extra label named like one
+of the plugin's own (``backend``, ``role``, ...) is left out, with a warning.
+
 Names (all prefixed ``sglang_disagg_ext_``):
 
 * ``info`` (gauge, 1): labels ``version``, ``commit`` (the build's, ``build_info.commit``: two
@@ -86,6 +93,13 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         ("backend", "role")),
 }
 
+# SGLang's scheduler label names a series can carry besides its own (releases.sglang_metric_labels;
+# ``--extra-metric-labels`` adds the operator's).
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+
+# Every label name the plugin's own series use: an extra SGLang label of one of these names is not added.
+OWN_LABELS = frozenset(label for _, _, labels in DEFINITIONS.values() for label in labels)
+
 # transfer_duration_seconds: from a few ms (a small request on a quiet node) to SGLang's
 # 300 s default timeouts.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -94,6 +108,37 @@ OUTCOMES = ("success", "failed")
 _mu = threading.Lock()
 _metrics: Dict[str, object] = {}
 _unavailable = False
+# SGLang's labels for every series of this process (set_process_labels); frozen with the first series.
+_process_labels: Dict[str, str] = {}
+
+
+def set_process_labels(labels: Dict[str, str]) -> bool:
+    """Give every series of this process ``labels`` (SGLang's, see the module docstring).
+    True if taken; False once a series exists (a series' label names cannot change)."""
+    global _process_labels
+    with _mu:
+        if _metrics:
+            if labels != _process_labels:
+                logger.debug("process labels %s not taken: series already exist", labels)
+            return False
+        taken = {str(k): str(v) for k, v in labels.items() if str(k) not in OWN_LABELS}
+        if len(taken) < len(labels):
+            logger.warning("sglang-disagg-ext metrics: label(s) %s not added to the plugin's series: the plugin "
+                           "uses those names itself", sorted(set(map(str, labels)) & OWN_LABELS))
+        _process_labels = taken
+        return True
+
+
+def _labels_of(name: str) -> Tuple[str, ...]:
+    """``name``'s label names: its own, then the process labels."""
+    return DEFINITIONS[name][2] + tuple(_process_labels)
+
+
+def _series(metric, name: str, labels: Dict[str, object]):
+    """The child of ``metric`` for ``labels`` plus the process labels."""
+    if not _labels_of(name):
+        return metric
+    return metric.labels(**{k: str(v) for k, v in labels.items()}, **_process_labels)
 
 
 def _metric(name: str):
@@ -106,7 +151,8 @@ def _metric(name: str):
         except ImportError:
             _unavailable = True
             return None
-        kind, doc, labels = DEFINITIONS[name]
+        kind, doc, _ = DEFINITIONS[name]
+        labels = _labels_of(name)
         # The prefix-less "_total" suffix is prometheus_client's for counters.
         base = PREFIX + (name[: -len("_total")] if kind == "counter" else name)
         if kind == "counter":
@@ -126,7 +172,7 @@ def count(name: str, amount: float = 1.0, **labels: str) -> None:
         metric = _metric(name)
         if metric is None:
             return
-        (metric.labels(**{k: str(v) for k, v in labels.items()}) if labels else metric).inc(amount)
+        _series(metric, name, labels).inc(amount)
     except Exception:  # noqa: BLE001 - a metric must never fail a transfer
         logger.debug("metric %s not updated", name, exc_info=True)
 
@@ -137,7 +183,7 @@ def transfer_done(backend: str, role: str, outcome: str, seconds: float) -> None
     try:
         metric = _metric("transfer_duration_seconds")
         if metric is not None:
-            metric.labels(backend=backend, role=role).observe(seconds)
+            _series(metric, "transfer_duration_seconds", {"backend": backend, "role": role}).observe(seconds)
     except Exception:  # noqa: BLE001
         logger.debug("transfer_duration_seconds not updated", exc_info=True)
 
@@ -148,10 +194,10 @@ def zero_transfer_series(backend: str, role: str) -> None:
         counter = _metric("transfers_total")
         if counter is not None:
             for outcome in OUTCOMES:
-                counter.labels(backend=backend, role=role, outcome=outcome)
+                _series(counter, "transfers_total", {"backend": backend, "role": role, "outcome": outcome})
         histogram = _metric("transfer_duration_seconds")
         if histogram is not None:
-            histogram.labels(backend=backend, role=role)
+            _series(histogram, "transfer_duration_seconds", {"backend": backend, "role": role})
     except Exception:  # noqa: BLE001
         logger.debug("transfer series not created", exc_info=True)
 
@@ -163,7 +209,7 @@ def set_info(version: str, backend: Optional[str], sglang: Optional[str], fixes)
 
         metric = _metric("info")
         if metric is not None:
-            metric.labels(version=version, commit=build_info.commit(), backend=backend or "", sglang=sglang or "",
-                          fixes=",".join(fixes)).set(1)
+            _series(metric, "info", {"version": version, "commit": build_info.commit(), "backend": backend or "",
+                                     "sglang": sglang or "", "fixes": ",".join(fixes)}).set(1)
     except Exception:  # noqa: BLE001
         logger.debug("info metric not set", exc_info=True)

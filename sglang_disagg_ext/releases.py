@@ -1119,6 +1119,53 @@ def stock_bootstrap_reads_notices(cls: type) -> bool:
             and any("_send_multipart_locked" in vars(klass) for klass in stock))
 
 
+def _sglang_config(bag: str, name: str):
+    """``name`` from SGLang's runtime configuration bag ``bag`` (``get_serving()``,
+    ``get_observability()`` of ``sglang.srt.runtime_context``), where the release has one and
+    the process has set it up; None otherwise. On 0.5.23 SGLang's own metric labels read the
+    resolved values there (metrics_collector.py:1383, 1393): ``server_args.served_model_name``
+    stays None when SGLang resolved it from the model path."""
+    try:
+        from sglang.srt import runtime_context
+
+        return getattr(getattr(runtime_context, f"get_{bag}")(), name, None)
+    except Exception:  # noqa: BLE001 - no such module or bag here, or not set up in this process
+        return None
+
+
+def sglang_metric_labels(manager) -> Dict[str, str]:
+    """The labels SGLang puts on its own scheduler series, as far as a KV manager holds them, so
+    the plugin's series on the same ``/metrics`` join with SGLang's (the same values, by name).
+
+    SGLang's scheduler labels (0.5.11 observability/scheduler_metrics_mixin.py:133-145, 0.5.23
+    observability/metrics_collector.py:1383-1394): ``model_name`` (``served_model_name``),
+    ``engine_type`` (``prefill``/``decode``; ``unified`` is never a manager's), ``tp_rank``,
+    ``pp_rank``, ``dp_rank`` where SGLang has one, then ``--extra-metric-labels``. Every
+    CI release's manager holds them the same way: ``server_args`` and ``disaggregation_mode`` on
+    the manager, ``kv_args.engine_rank`` (= the scheduler's ``tp_rank``), ``kv_args.pp_rank``
+    and ``kv_args.system_dp_rank`` (prefill.py/decode.py set them; 0.5.11 prefill.py:145-147,
+    0.5.23 :260-262). ``moe_ep_rank`` is not on a manager and is left out; so is
+    ``engine_type="dynamic"`` (``--enable-pd-role-switch``), which the plugin does not route.
+    A value the manager lacks is left out, never guessed."""
+    labels: Dict[str, str] = {}
+    server_args = getattr(manager, "server_args", None)
+    kv_args = getattr(manager, "kv_args", None)
+    model = _sglang_config("serving", "served_model_name") or getattr(server_args, "served_model_name", None)
+    if model:
+        labels["model_name"] = str(model)
+    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", None)
+    if mode in ("prefill", "decode"):
+        labels["engine_type"] = mode
+    for label, attr in (("tp_rank", "engine_rank"), ("pp_rank", "pp_rank"), ("dp_rank", "system_dp_rank")):
+        value = getattr(kv_args, attr, None)
+        if isinstance(value, int):
+            labels[label] = str(value)
+    extra = _sglang_config("observability", "extra_metric_labels") or getattr(server_args, "extra_metric_labels", None)
+    if isinstance(extra, dict):
+        labels.update({str(k): str(v) for k, v in extra.items()})
+    return labels
+
+
 def stock_callable(cls: type, name: str):
     """SGLang's own ``cls.name``, whether or not the plugin's F5 hooks are installed.
 

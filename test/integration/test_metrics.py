@@ -31,13 +31,21 @@ PREFILL_FAULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 STATE_CLASSES = POLICY.is_live("F1") or POLICY.is_live("F2")
 
 
-def _samples(text: str):
-    """{(sample name, sorted labels): value} from Prometheus text."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+# SGLang's scheduler labels the plugin adds to every series (metrics.py; releases.sglang_metric_labels).
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+
+
+def _samples(text: str, sglang_labels=None):
+    """{(sample name, sorted labels): value} from Prometheus text. With ``sglang_labels`` (a
+    dict): every sample must carry exactly those of SGLang's labels, which the keys then leave out."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            if sglang_labels is not None:
+                assert {k: labels.pop(k) for k in SGLANG_LABELS if k in labels} == sglang_labels, (s.name, s.labels)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 def _info(samples, backend: str):
@@ -71,8 +79,18 @@ def test_a_real_transfer_exports_what_it_did():
         result = run_scenario(builtin.build(POLICY), "mooncake-ext", extra_env=env)
         assert builtin.evaluate(result), result.describe()
         want = ("sglang_disagg_ext_thread_recoveries_total", (("role", "prefill"), ("thread", "transfer_worker")))
-    prefill = _samples(result.plugin_metrics["prefill"])
-    decode = _samples(result.plugin_metrics["decode"])
+    # SGLang's labels, as the harness's SGLang managers hold them (one rank each, no pipeline;
+    # the harness sets kv_args.system_dp_rank = 0, where a server without DP has None and no
+    # dp_rank label). The model name is SGLang's resolved one where the harness's SGLang has
+    # resolved it (the same on both sides, or on neither); test/servers compares every label,
+    # the model name included, with SGLang's own series on a real server's /metrics.
+    model = _model_name(result.plugin_metrics["prefill"])
+    assert model == _model_name(result.plugin_metrics["decode"])
+    named = {"model_name": model} if model else {}
+    prefill = _samples(result.plugin_metrics["prefill"],
+                       {**named, "engine_type": "prefill", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"})
+    decode = _samples(result.plugin_metrics["decode"],
+                      {**named, "engine_type": "decode", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"})
     assert prefill.get(want) == 1.0, result.plugin_metrics["prefill"]
     assert want not in decode, result.plugin_metrics["decode"]
     # Every request's transfer counted once per side, by outcome (both outcomes exist from the start).
@@ -88,6 +106,12 @@ def test_a_real_transfer_exports_what_it_did():
     assert counted == {want: 1.0}, counted
     for side in (prefill, decode):
         assert _info(side, "mooncake-ext") == 1.0, side
+
+
+def _model_name(text: str) -> str:
+    names = {s.labels.get("model_name") for family in text_string_to_metric_families(text) for s in family.samples}
+    assert len(names) == 1, names
+    return names.pop()
 
 
 _CHILD = """
@@ -113,3 +137,44 @@ def test_counts_reach_the_multiprocess_directory_sglang_serves(tmp_path):
     info = [v for (name, labels), v in samples.items() if name == "sglang_disagg_ext_info"]
     assert info == [1.0], samples
     assert any(dict(labels).get("fixes") == "F6,F7" for (name, labels) in samples if name == "sglang_disagg_ext_info")
+
+
+_LABELLED_CHILD = """
+from sglang_disagg_ext import metrics
+assert metrics.set_process_labels({"model_name": "tiny", "engine_type": "decode", "tp_rank": "1", "pp_rank": "0",
+                                   "team": "kv", "backend": "an extra label that loses to the plugin's own"})
+metrics.zero_transfer_series("mooncake-ext", "decode")
+metrics.transfer_done("mooncake-ext", "decode", "success", 0.02)
+metrics.count("retract_offloads_total")
+metrics.count("state_trims_total", component=0, kind="swa")
+metrics.set_info("1.2.3", "mooncake-ext", "0.5.x", ["F6"])
+# Series exist now: their label names cannot change, so later labels are refused.
+assert not metrics.set_process_labels({"model_name": "other"})
+"""
+
+
+@pytest.mark.timeout(60)
+def test_every_series_carries_sglangs_labels(tmp_path):
+    """SGLang's scheduler labels given to the process reach every series, on the path SGLang's
+    ``/metrics`` serves; an extra label named like one of the plugin's own (``backend``) is left out."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _LABELLED_CHILD], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-2000:]
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    samples = _samples(generate_latest(registry).decode())
+    sglang = {"model_name": "tiny", "engine_type": "decode", "tp_rank": "1", "pp_rank": "0", "team": "kv"}
+    names = set()
+    for name, labels in samples:
+        labels = dict(labels)
+        names.add(name)
+        assert {k: labels.get(k) for k in sglang} == sglang, (name, labels)
+        assert labels.get("backend") in (None, "mooncake-ext"), (name, labels)
+    # Written by hand: the series the child touched (counters, the histogram's parts, the info gauge).
+    assert {"sglang_disagg_ext_transfers_total", "sglang_disagg_ext_transfer_duration_seconds_count",
+            "sglang_disagg_ext_retract_offloads_total", "sglang_disagg_ext_state_trims_total",
+            "sglang_disagg_ext_info"} <= names, names
+    assert samples[("sglang_disagg_ext_transfers_total", tuple(sorted(
+        {**sglang, "backend": "mooncake-ext", "role": "decode", "outcome": "failed"}.items())))] == 0.0
+    assert samples[("sglang_disagg_ext_transfers_total", tuple(sorted(
+        {**sglang, "backend": "mooncake-ext", "role": "decode", "outcome": "success"}.items())))] == 1.0

@@ -28,6 +28,7 @@ from sglang_disagg_ext.selftest.scenarios.isolation import (
     dropped_write_problem,
     refusal_problem,
 )
+from support import plugin_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -96,7 +97,8 @@ def test_dropped_write_fails_its_request_only():
     problem = dropped_write_problem(ext)
     assert problem is None, f"{problem}\n{ext.describe()}"
     assert ext.dropped_writes["engine_calls_failed"] >= 1, ext.dropped_writes
-    assert 'sglang_disagg_ext_session_probes_total{fix="F6",result="alive"} 1.0' in ext.plugin_metrics["prefill"], \
+    assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_session_probes_total",
+                                fix="F6", result="alive") == 1.0, \
         ext.plugin_metrics
     assert not any("marked failed" in x for r in ext.requests for x in r.prefill_log)
 
@@ -118,7 +120,8 @@ def test_stock_decode_peer_keeps_stock_behaviour_and_says_so_once():
     assert "Failed to send kv chunk" in (result.requests[0].prefill_failure_reason or ""), result.describe()
     for r in result.requests[1:]:
         assert r.success, result.describe()
-    assert 'session_probes_total{fix="F6",result="alive"} 1.0' in result.plugin_metrics["prefill"], \
+    assert plugin_metrics.value(result.plugin_metrics["prefill"], "sglang_disagg_ext_session_probes_total",
+                                fix="F6", result="alive") == 1.0, \
         result.plugin_metrics
 
 

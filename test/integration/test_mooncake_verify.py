@@ -32,7 +32,6 @@ per page size; CI runs the default, a long run sets e.g. 500 (1,000 in all).
 
 import os
 import random
-import re
 
 import pytest
 
@@ -53,6 +52,7 @@ from support.verify_cases import (
     three_rooms,
     two_sided_cases,
 )
+from support import plugin_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -145,11 +145,12 @@ def test_flipped_byte_fails_the_room_with_verification(case):
     assert f"digest mismatch in component {component} buffer {buffer} from prefill rank(s) [0]" in reason, reason
     # Prefill had concluded Success before decode checked (it is told afterwards, below).
     assert req.prefill_status == "Success", result.describe()
-    assert f'sglang_disagg_ext_verify_mismatches_total{{component="{component}"}} 1.0' in result.plugin_metrics["decode"]
+    assert plugin_metrics.value(result.plugin_metrics["decode"], "sglang_disagg_ext_verify_mismatches_total",
+                                component=component) == 1.0, result.plugin_metrics["decode"]
     # Prefill is told (stock's bootstrap loop takes decode's notice from 0.5.22, the -ext
     # prefill's socket filter before): counted there.
-    told = re.search(r"sglang_disagg_ext_verify_mismatch_reports_total ([0-9.]+)", result.plugin_metrics["prefill"])
-    assert told and float(told.group(1)) == 1.0, result.plugin_metrics["prefill"]
+    told = plugin_metrics.value(result.plugin_metrics["prefill"], "sglang_disagg_ext_verify_mismatch_reports_total")
+    assert told == 1.0, result.plugin_metrics["prefill"]
 
 
 @needs_verify
@@ -184,7 +185,8 @@ def test_no_false_alarm_over_random_transfers(page_size):
     assert result.ok, result.describe()
     assert len(result.requests) == n
     assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
-    assert f'sglang_disagg_ext_verified_transfers_total{{result="ok"}} {float(n)}' in result.plugin_metrics["decode"], \
+    assert plugin_metrics.value(result.plugin_metrics["decode"], "sglang_disagg_ext_verified_transfers_total",
+                                result="ok") == float(n), \
         result.plugin_metrics["decode"]
 
 

@@ -39,6 +39,7 @@ from conftest import require_or_skip
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.scenarios import mori as selftest_mori
 from sglang_disagg_ext.selftest.scenarios import mori_newest as f12
+from support import plugin_metrics
 
 POLICY = releases.current_policy()
 F12 = POLICY.fixes.get("F12")
@@ -147,8 +148,8 @@ def test_decode_status_worker_fault_fails_the_room_at_once():
         "handler for room 1000; the room is failed, the thread keeps serving"
     ), ext.describe(logs=False)
     assert good.bytes_verified and good.mismatches == [], ext.describe(logs=False)
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="status_worker"} 1.0'
-    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics
+    assert plugin_metrics.value(ext.plugin_metrics["decode"], "sglang_disagg_ext_thread_recoveries_total",
+                                role="decode", thread="status_worker") == 1.0, ext.plugin_metrics
 
 
 @pytest.mark.engine
@@ -172,8 +173,8 @@ def test_prefill_transfer_message_fault_fails_the_room_on_both_sides():
     assert ext.prefill_manager == ext.decode_manager, ext.describe(logs=False)
     assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori"), ext.describe(logs=False)
     assert f12.transfer_fault_handled(ext), ext.describe(logs=False)
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
-    assert metric in ext.plugin_metrics["prefill"], ext.plugin_metrics
+    assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_thread_recoveries_total",
+                                role="prefill", thread="bootstrap") == 1.0, ext.plugin_metrics
 
 
 @pytest.mark.engine

@@ -26,6 +26,7 @@ from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness import nixl_shim
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.scenarios import nixl_newest as S
+from support import plugin_metrics
 
 pytestmark = [
     pytest.mark.engine,
@@ -113,8 +114,8 @@ def assert_listener_survived(ext, prefill_status: str, reason: str):
     assert not any("must be untouched" in m for m in bad.mismatches), ext.describe()
     assert good.ok and good.bytes_verified and good.decode_status == "Success", ext.describe()
     assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="decode",thread="decode_listener"} 1.0'
-    assert metric in ext.plugin_metrics["decode"], ext.plugin_metrics
+    assert plugin_metrics.value(ext.plugin_metrics["decode"], "sglang_disagg_ext_thread_recoveries_total",
+                                role="decode", thread="decode_listener") == 1.0, ext.plugin_metrics
 
 
 SWA_TOPOLOGIES = [(2, 1), (1, 2), (1, 4), (1, 1)]
@@ -177,8 +178,8 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
     assert_stock_timed_out(run("registration_fault", (), "nixl", S.PREFILL_HOOK), 1, 2, f"InjectedFault: {S.FAULT}")
     ext = run("registration_fault", (), "nixl-ext", S.PREFILL_HOOK)
     assert_refused_at_once(ext, 1, 2, S.REGISTRATION_FAULT_REASON)
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
-    assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
+    assert plugin_metrics.value(ext.plugin_metrics["prefill0"], "sglang_disagg_ext_thread_recoveries_total",
+                                role="prefill", thread="bootstrap") == 1.0, ext.plugin_metrics
 
 
 @pytest.mark.timeout(RUN_BOUND_S)

@@ -40,6 +40,7 @@ from sglang_disagg_ext.selftest.harness import nixl_shim
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.scenarios import nixl as S
 from sglang_disagg_ext.selftest.scenarios import nixl_newest as N
+from support import plugin_metrics
 
 pytestmark = [
     pytest.mark.engine,
@@ -229,8 +230,8 @@ def test_bootstrap_thread_survives_a_registration_that_raises():
         listed = [m for m in r.mismatches if "more mismatching elements not listed" not in m]
         assert listed and all("found the sentinel" in m for m in listed), ext.describe()
     assert all(r.thread_errors == [] for r in ext.requests), ext.describe()
-    metric = 'sglang_disagg_ext_thread_recoveries_total{role="prefill",thread="bootstrap"} 1.0'
-    assert metric in ext.plugin_metrics["prefill0"], ext.plugin_metrics
+    assert plugin_metrics.value(ext.plugin_metrics["prefill0"], "sglang_disagg_ext_thread_recoveries_total",
+                                role="prefill", thread="bootstrap") == 1.0, ext.plugin_metrics
 
 
 def _two_rooms(prefill_hook: str, backend: str):

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
@@ -132,6 +132,27 @@ def metric_values(text: str, name: str) -> Dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key[len(name):]] = float(value)
     return out
+
+
+def samples(text: str, prefix: str) -> List[Tuple[str, Dict[str, str], float]]:
+    """``(name, labels, value)`` of every sample whose name starts with ``prefix``
+    (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name.startswith(prefix)]
+
+
+# SGLang's scheduler labels the plugin copies onto its series (releases.sglang_metric_labels).
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+
+
+def sglang_scheduler_labels(text: str) -> Dict[str, str]:
+    """Those of ``SGLANG_LABELS`` on SGLang's own scheduler gauge ``sglang:num_running_reqs``."""
+    found = {tuple((k, labels[k]) for k in SGLANG_LABELS if k in labels)
+             for _, labels, _ in samples(text, "sglang:num_running_reqs")}
+    assert len(found) == 1, f"SGLang's scheduler label sets: {found}"
+    return dict(found.pop())
 
 
 def total(text: str, name: str, **labels: str) -> float:
@@ -401,4 +422,12 @@ def check_plugin_in_path(pair, policy, requests: int = 3) -> None:
         assert moved("sglang_disagg_ext_transfers_total", outcome="failed") == 0
         assert moved("sglang_disagg_ext_transfer_duration_seconds_count") == requests
         # Both outcomes exist from the start, so a rate() has a baseline.
-        assert f'outcome="failed",role="{role}"' in after.replace(f'backend="{backend}",', "")
+        plugin = samples(after, "sglang_disagg_ext_")
+        assert {labels["outcome"] for name, labels, _ in plugin
+                if name == "sglang_disagg_ext_transfers_total" and labels["role"] == role} == {"success", "failed"}
+        # Every series of the plugin carries SGLang's own scheduler labels with SGLang's values
+        # (read from SGLang's series on the same /metrics), so rules can join the two.
+        theirs = sglang_scheduler_labels(after)
+        assert theirs.get("engine_type") == role and "model_name" in theirs, theirs
+        for name, labels, _ in plugin:
+            assert {k: labels[k] for k in SGLANG_LABELS if k in labels} == theirs, (backend, role, name, labels)

@@ -10,6 +10,7 @@ import random
 import re
 from typing import Sequence
 
+from support import plugin_metrics
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec, Timeouts
 
 KV_PAGES, STATE_PAGES = 24, 12
@@ -110,10 +111,9 @@ def two_sided_cases(cases: dict, subset: Sequence[str]) -> list:
     return [c for c in cases if c in subset]
 
 
-def metric(text: str, sample: str) -> float:
-    """The value of ``sglang_disagg_ext_<sample>`` in one worker's metrics text (0 where never counted)."""
-    m = re.search(rf"sglang_disagg_ext_{re.escape(sample)} ([0-9.]+)", text)
-    return float(m.group(1)) if m else 0.0
+def metric(text: str, sample: str, **labels) -> float:
+    """``sglang_disagg_ext_<sample>`` with ``labels`` in one worker's metrics text (0 where never counted)."""
+    return plugin_metrics.value(text, "sglang_disagg_ext_" + sample, **labels)
 
 
 # The byte every flip hook changes in its block or page (inflight_flip: SGLANG_HARNESS_FLIP_OFFSET,
@@ -175,7 +175,7 @@ def assert_flip_failed_by_digest(result, component: str, buffer: int, ranks: str
     assert (req.decode_failure_reason or "").count(want) == len(decodes), req.decode_failure_reason
     for role, text in result.plugin_metrics.items():
         if role.startswith("decode"):
-            assert metric(text, f'verify_mismatches_total{{component="{component}"}}') == 1.0, (role, text)
+            assert metric(text, "verify_mismatches_total", component=component) == 1.0, (role, text)
         else:
             told = metric(text, "verify_mismatch_reports_total")
             assert told == (float(len(decodes)) if prefill_told else 0.0), (role, text)
@@ -183,7 +183,7 @@ def assert_flip_failed_by_digest(result, component: str, buffer: int, ranks: str
 
 def counted_ok(result) -> list:
     """``verified_transfers_total{result="ok"}`` of each decode rank, in rank order."""
-    return [metric(v, 'verified_transfers_total{result="ok"}') for k, v in sorted(result.plugin_metrics.items())
+    return [metric(v, "verified_transfers_total", result="ok") for k, v in sorted(result.plugin_metrics.items())
             if k.startswith("decode")]
 
 

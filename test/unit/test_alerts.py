@@ -15,15 +15,16 @@ RULES = os.path.join(ROOT, "docs", "alerts.yaml")
 
 
 def _exported():
-    """Series name -> label names, as prometheus_client exposes each definition."""
+    """Series name -> label names, as prometheus_client exposes each definition, with SGLang's
+    scheduler labels every series carries on a server."""
     out = {}
     for name, (kind, _help, labels) in metrics.DEFINITIONS.items():
         full = metrics.PREFIX + name
         if kind == "histogram":
             for suffix in ("_bucket", "_sum", "_count"):
-                out[full + suffix] = set(labels) | ({"le"} if suffix == "_bucket" else set())
+                out[full + suffix] = set(labels) | set(metrics.SGLANG_LABELS) | ({"le"} if suffix == "_bucket" else set())
         else:
-            out[full] = set(labels)
+            out[full] = set(labels) | set(metrics.SGLANG_LABELS)
     return out
 
 

@@ -129,3 +129,29 @@ def test_a_post_release_with_its_base_releases_probe_values_gets_its_fixes(monke
     monkeypatch.setattr(releases, "probe_record", lambda feats=None: {**recorded, "kv_status_codec": "other"})
     p = releases.installed_policy("0.5.21.post1")
     assert not p.known and set(p.fixes.values()) == {FixStatus.UNCHECKED}
+
+
+def _manager(mode, served, extra, engine_rank, pp_rank, dp_rank):
+    """A KV manager as SGLang builds one, by hand: only the attributes the labels are read from."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        server_args=SimpleNamespace(served_model_name=served, extra_metric_labels=extra),
+        disaggregation_mode=SimpleNamespace(value=mode),
+        kv_args=SimpleNamespace(engine_rank=engine_rank, pp_rank=pp_rank, system_dp_rank=dp_rank),
+    )
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("manager,labels", [
+    # A decode rank 3 of TP, no data parallelism (SGLang: dp_rank None, no label), two extra labels.
+    (_manager("decode", "llama-8b", {"team": "kv", "zone": "b"}, 3, 0, None),
+     {"model_name": "llama-8b", "engine_type": "decode", "tp_rank": "3", "pp_rank": "0", "team": "kv", "zone": "b"}),
+    # A prefill with DP rank 1, pipeline stage 2, no extra labels.
+    (_manager("prefill", "m", None, 0, 2, 1),
+     {"model_name": "m", "engine_type": "prefill", "tp_rank": "0", "pp_rank": "2", "dp_rank": "1"}),
+    # Not a PD manager's mode, no served name: left out, never guessed.
+    (_manager("null", None, None, 0, 0, None), {"tp_rank": "0", "pp_rank": "0"}),
+], ids=["decode-tp3-extra", "prefill-dp1-pp2", "nothing-to-guess"])
+def test_sglang_metric_labels_are_read_from_the_manager(manager, labels):
+    assert releases.sglang_metric_labels(manager) == labels
