@@ -18,13 +18,16 @@ outside room 1000's pages; room 1001 Success, every destination byte checked
 and every other page still the sentinel (the harness's decode verification).
 """
 
+import dataclasses
 import os
 
 import pytest
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.scenarios.thread_survival import SCENARIOS
+from sglang_disagg_ext.selftest.scenarios.mooncake import FAILED_WITHIN_S, STOCK_TIMEOUTS, _decode_waited_out
+from sglang_disagg_ext.selftest.scenarios.thread_survival import FAULT_TEXT, SCENARIOS, _two_requests
+from support import plugin_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -70,3 +73,51 @@ def test_patched_sglang_fails_the_room_and_serves_the_next(builtin):
     bad, good = stock.requests
     assert "InjectedFault: injected fault" in bad.prefill_failure_reason, stock.describe()
     assert good.success and good.bytes_verified, stock.describe()
+
+
+def _decode_loop_run(backend):
+    """Room 1000 and room 1001 (``thread_survival._two_requests``); on decode, the Mooncake
+    decode message loop's ``update_status(1000, Success)`` raises once
+    (``prefill_faults.raise_on_status_success``, a decode manager hook): the loop is handling
+    prefill's Success message for room 1000 when it meets the fault."""
+    scn = dataclasses.replace(_two_requests(f"F8 decode loop raises ({backend})"), timeouts=STOCK_TIMEOUTS)
+    env = {"SGLANG_HARNESS_DECODE_MANAGER_HOOK": f"{os.path.abspath(HOOKS)}:raise_on_status_success"}
+    return run_scenario(scn, backend, extra_env=env)
+
+
+def _decode_loop_survived(result, counted: bool) -> None:
+    """Room 1000 Failed on decode at once with the fault in its reason (prefill had concluded
+    Success: its bytes went out), room 1001 Success with every byte checked, no thread died;
+    ``counted``: the plugin counted one decode-side recovery."""
+    bad, good = result.requests
+    assert bad.decode_status == "Failed" and FAULT_TEXT in (bad.decode_failure_reason or ""), result.describe()
+    assert bad.decode_seconds is not None and bad.decode_seconds <= FAILED_WITHIN_S, result.describe()
+    assert bad.prefill_status == "Success", result.describe()
+    assert good.success and good.bytes_verified, result.describe()
+    assert not any(r.thread_errors for r in result.requests), result.describe()
+    if counted:
+        assert plugin_metrics.value(result.plugin_metrics["decode"], "sglang_disagg_ext_thread_recoveries_total",
+                                    role="decode") == 1.0, result.plugin_metrics
+
+
+@pytest.mark.timeout(300)
+def test_decode_loop_fault_stock_thread_dies_ext_fails_the_room_and_serves_the_next():
+    """F8 on decode's side. Stock: the decode loop dies of the fault, so neither room's
+    Success message is ever handled: both end on decode only by SGLang's waiting timeout.
+    Ext: room 1000 Failed on decode at once, the loop re-entered, room 1001 served
+    (``_decode_loop_survived``). On sources carrying patches/'s F8 diff (its decode loop is
+    patched too) stock must do what -ext does."""
+    if "F8" in POLICY.patched:
+        _decode_loop_survived(_decode_loop_run("mooncake"), counted=False)
+        return
+    if not POLICY.is_live("F8"):
+        pytest.skip(f"F8 is not live on SGLang {POLICY.version}")
+    _decode_loop_survived(_decode_loop_run("mooncake-ext"), counted=True)
+
+    stock = _decode_loop_run("mooncake")
+    bad, good = stock.requests
+    died = [t for t in bad.thread_errors if t.startswith("decode ") and FAULT_TEXT in t]
+    assert died, f"no decode thread died of the fault: {bad.thread_errors}\n{stock.describe()}"
+    for r in (bad, good):
+        why = _decode_waited_out(r, STOCK_TIMEOUTS.sglang_waiting_s)
+        assert why is None, f"{why}\n{stock.describe()}"
