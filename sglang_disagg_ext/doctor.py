@@ -109,7 +109,8 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "warnings": warnings,
         "plugin_version": _plugin_version(),
         # SGLANG_DISAGG_EXT_VERIFY: on/off here, and per -ext backend why it cannot verify ("" = it can).
-        "verified_transfers": {"enabled": verification.enabled(), "env": verification.VERIFY_ENV,
+        "verified_transfers": {"enabled": verification.enabled(), "mode": verification.mode(),
+                               "env": verification.VERIFY_ENV,
                                "unavailable": verification.available(policy)},
     }
 
@@ -209,7 +210,9 @@ def format_report(report: Dict) -> str:
     verify = report["verified_transfers"]
     can = [ext for ext, why in verify["unavailable"].items() if not why]
     lines.append("")
-    lines.append(f"verified transfers: {'on' if verify['enabled'] else 'off'} ({verify['env']}=1 turns them on); "
+    mode = {"off": "off", "on": "on (a room without a digest succeeds, counted unverified)",
+            "require": "require (a room without every prefill rank's digest ends Failed)"}[verify["mode"]]
+    lines.append(f"verified transfers: {mode} ({verify['env']}=1 turns them on, =require fails closed); "
                  f"available here for: {', '.join(can) or 'none'}")
     for ext, why in verify["unavailable"].items():
         if why:

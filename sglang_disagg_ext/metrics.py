@@ -38,7 +38,8 @@ Names (all prefixed ``sglang_disagg_ext_``):
   ``dead``: marked failed, as stock marks it).
 * ``retract_offloads_total``: F5 index-key offloads on retract.
 * ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
-  by ``result`` (``ok``, or ``unverified``: some source rank sent no digest).
+  by ``result`` (``ok``; ``unverified``: some source rank sent no digest, the room succeeded;
+  ``refused_unverified``: the same under ``SGLANG_DISAGG_EXT_VERIFY=require``, the room failed).
 * ``verify_mismatches_total``: verified rooms ended Failed, by ``component``
   (``kv``, ``aux``, ``stateN``; ``frame``: a digest frame that could not be checked).
 * ``verify_mismatch_reports_total``: on prefill, rooms it had concluded Success that a

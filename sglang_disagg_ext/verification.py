@@ -3,7 +3,9 @@
 ``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment (off by default)
 asks every ``-ext`` backend that can to prove its bytes: prefill digests what
 it writes at its destination placement, decode recomputes the digest over what
-landed before it reports Success (``core/digest.py``,
+landed before it reports Success; a room that arrives without every prefill
+rank's digest (a stock prefill) succeeds, counted ``unverified``. ``=require``
+fails such a room on decode instead, naming how many digests came (``core/digest.py``,
 ``backends/transfer_verify.py``, ``mooncake_verify.py``, ``nixl_verify.py``). This module is light (no torch, no SGLang at
 import) so that ``doctor`` and ``selftest`` can say what the switch does here.
 """
@@ -21,11 +23,24 @@ VERIFY_ENV = "SGLANG_DISAGG_EXT_VERIFY"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
+# Fail closed: a room that arrives without every prefill rank's digest ends Failed instead of
+# concluding Success unverified (a stock or older prefill, a rank that sent none).
+_REQUIRE = ("require",)
 
 
 def enabled() -> bool:
     """Whether ``SGLANG_DISAGG_EXT_VERIFY`` asks for verified transfers (off by default)."""
-    return os.environ.get(VERIFY_ENV, "").strip().lower() in _ON
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in _ON + _REQUIRE
+
+
+def required() -> bool:
+    """Whether it asks to fail closed (``require``): a decode fails a room it cannot check."""
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in _REQUIRE
+
+
+def mode() -> str:
+    """``off``, ``on`` (unverifiable rooms succeed, counted ``unverified``) or ``require``."""
+    return "require" if required() else "on" if enabled() else "off"
 
 
 def invalid_setting() -> Optional[str]:
@@ -34,10 +49,10 @@ def invalid_setting() -> Optional[str]:
     Such a value leaves verification off; doctor reports it as a problem and the first
     ``-ext`` manager logs it as an ERROR, so a typo never turns the check off silently."""
     value = os.environ.get(VERIFY_ENV, "")
-    if value.strip().lower() in _ON + _OFF:
+    if value.strip().lower() in _ON + _OFF + _REQUIRE:
         return None
-    return (f"{VERIFY_ENV}={value!r} is neither on ({', '.join(_ON)}) nor off ({', '.join(repr(v) for v in _OFF)}): "
-            "verified transfers stay off")
+    return (f"{VERIFY_ENV}={value!r} is neither on ({', '.join(_ON)}), {_REQUIRE[0]} (on, failing rooms that "
+            f"arrive without a digest) nor off ({', '.join(repr(v) for v in _OFF)}): verified transfers stay off")
 
 
 def available(policy: releases.ReleasePolicy) -> Dict[str, str]:

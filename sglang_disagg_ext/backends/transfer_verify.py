@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import zmq
 
-from sglang_disagg_ext import metrics, releases
+from sglang_disagg_ext import metrics, releases, verification
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
 from sglang_disagg_ext.backends.shared import FilteringSocket
@@ -747,6 +747,11 @@ class VerifiedTransferMixin:
         """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""
         expected_ranks = self.required_prefill_response_num_table.get(room)
         if not frames or (expected_ranks is not None and len(frames) < expected_ranks):
+            if verification.required():
+                metrics.count("verified_transfers_total", result="refused_unverified")
+                return (f"verified transfer required ({verification.VERIFY_ENV}=require): room {room} arrived with "
+                        f"digests from {len(frames or ())} of {expected_ranks if expected_ranks is not None else 'its'} "
+                        "prefill rank(s) (a prefill that does not verify, or a rank that sent none)")
             metrics.count("verified_transfers_total", result="unverified")
             return None
         try:

@@ -99,7 +99,7 @@ VERIFY_AVAILABLE = {r: {"mooncake-ext", "nixl-ext", "mori-ext"} for r in (
 def test_doctor_says_whether_and_where_transfers_are_verified(policy):
     code, report = _doctor({"SGLANG_DISAGG_EXT_VERIFY": "1"})
     verify = report["verified_transfers"]
-    assert verify["enabled"] is True and verify["env"] == "SGLANG_DISAGG_EXT_VERIFY"
+    assert verify["enabled"] is True and verify["mode"] == "on" and verify["env"] == "SGLANG_DISAGG_EXT_VERIFY"
     assert set(verify["unavailable"]) == {"mooncake-ext", "nixl-ext", "mori-ext"}
     assert {ext for ext, why in verify["unavailable"].items() if not why} == VERIFY_AVAILABLE[policy.version]
     assert code == 0

@@ -48,6 +48,7 @@ from support.verify_cases import (
     counted_ok,
     flip_cases,
     landed_flip_env,
+    metric,
     random_scenario,
     three_rooms,
     two_sided_cases,
@@ -262,3 +263,31 @@ def test_no_false_alarm_across_tp_sizes(p, d):
     assert result.ok, result.describe()
     assert all(r.decode_status == "Success" and r.bytes_verified for r in result.requests), result.describe()
     assert counted_ok(result) == [float(n)] * d, result.plugin_metrics
+
+
+@needs_verify
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["1", "require"])
+def test_a_room_without_a_digest_succeeds_unverified_or_fails_closed(mode):
+    """A stock ``mooncake`` prefill (no digest) with a verifying ``mooncake-ext`` decode, three
+    rooms. ``SGLANG_DISAGG_EXT_VERIFY=1``: every room Success, bytes right (the harness's check),
+    counted ``unverified`` on decode, 3 of 3. ``=require`` (fail closed): every room Failed on
+    decode with the reason naming the missing digests, counted ``refused_unverified``; prefill,
+    stock, concluded Success (it sent its bytes and has no way to hear of a refusal)."""
+    scn = three_rooms(with_state(f"no digest, verify={mode}", "swa", [1, 2], [4, 5], n_kv_pages=2, timeouts=SHORT))
+    result = run_scenario(scn, "mooncake", decode_backend="mooncake-ext",
+                          extra_env={verification.VERIFY_ENV: mode})
+    decode = result.plugin_metrics["decode"]
+    assert len(result.requests) == 3, result.describe()
+    if mode == "1":
+        assert all(r.success and r.bytes_verified for r in result.requests), result.describe()
+        assert metric(decode, "verified_transfers_total", result="unverified") == 3.0, decode
+        assert metric(decode, "verified_transfers_total", result="refused_unverified") == 0.0, decode
+        return
+    for r in result.requests:
+        assert r.decode_status == "Failed" and r.prefill_status == "Success", result.describe()
+        assert "verified transfer required (SGLANG_DISAGG_EXT_VERIFY=require)" in (r.decode_failure_reason or ""), \
+            result.describe()
+        assert "arrived with digests from 0 of 1 prefill rank(s)" in r.decode_failure_reason, result.describe()
+    assert metric(decode, "verified_transfers_total", result="refused_unverified") == 3.0, decode
+    assert metric(decode, "verified_transfers_total", result="unverified") == 0.0, decode

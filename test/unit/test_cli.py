@@ -84,9 +84,21 @@ def test_a_verify_setting_that_is_neither_on_nor_off_is_named(monkeypatch):
     monkeypatch.setenv(verification.VERIFY_ENV, "banana")
     assert not verification.enabled()
     assert "SGLANG_DISAGG_EXT_VERIFY='banana' is neither on" in verification.invalid_setting()
-    for value in ("1", "on", "", "0", "off"):
+    for value in ("1", "on", "", "0", "off", "require", "REQUIRE"):
         monkeypatch.setenv(verification.VERIFY_ENV, value)
         assert verification.invalid_setting() is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value,mode,enabled,required", [
+    ("", "off", False, False), ("0", "off", False, False), ("1", "on", True, False), ("on", "on", True, False),
+    ("require", "require", True, True), (" Require ", "require", True, True), ("banana", "off", False, False),
+])
+def test_verify_modes(monkeypatch, value, mode, enabled, required):
+    from sglang_disagg_ext import verification
+
+    monkeypatch.setenv(verification.VERIFY_ENV, value)
+    assert (verification.mode(), verification.enabled(), verification.required()) == (mode, enabled, required)
 
 
 @pytest.mark.timeout(120)
