@@ -123,14 +123,20 @@ metrics.set_info("1.2.3", "mooncake-ext", "0.5.x", ["F6", "F7"])
 """
 
 
-@pytest.mark.timeout(60)
-def test_counts_reach_the_multiprocess_directory_sglang_serves(tmp_path):
+def _served_by_sglang(tmp_path, child: str):
+    """Run ``child`` with ``PROMETHEUS_MULTIPROC_DIR`` set, then read that directory back the way
+    SGLang's HTTP server does (a ``MultiProcessCollector``): the samples it would serve."""
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=50)
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr[-2000:]
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
-    samples = _samples(generate_latest(registry).decode())
+    return _samples(generate_latest(registry).decode())
+
+
+@pytest.mark.timeout(60)
+def test_counts_reach_the_multiprocess_directory_sglang_serves(tmp_path):
+    samples = _served_by_sglang(tmp_path, _CHILD)
     assert samples[("sglang_disagg_ext_state_trims_total", (("component", "0"), ("kind", "swa")))] == 2.0
     assert samples[("sglang_disagg_ext_thread_recoveries_total",
                     (("role", "prefill"), ("thread", "transfer_worker")))] == 1.0
@@ -157,12 +163,7 @@ assert not metrics.set_process_labels({"model_name": "other"})
 def test_every_series_carries_sglangs_labels(tmp_path):
     """SGLang's scheduler labels given to the process reach every series, on the path SGLang's
     ``/metrics`` serves; an extra label named like one of the plugin's own (``backend``) is left out."""
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", _LABELLED_CHILD], env=env, capture_output=True, text=True, timeout=50)
-    assert out.returncode == 0, out.stderr[-2000:]
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
-    samples = _samples(generate_latest(registry).decode())
+    samples = _served_by_sglang(tmp_path, _LABELLED_CHILD)
     sglang = {"model_name": "tiny", "engine_type": "decode", "tp_rank": "1", "pp_rank": "0", "team": "kv"}
     names = set()
     for name, labels in samples:
