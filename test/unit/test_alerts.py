@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+import promql_parser
 import pytest
 
 from sglang_disagg_ext import metrics
@@ -36,8 +37,14 @@ SCRAPE_LABELS = {"instance", "job"}
 
 
 def _check_expr(expr: str, where: str, exported) -> None:
-    """Every series ``expr`` names is exported, and every label it groups, selects or lists by
+    """``expr`` parses as PromQL (a Grafana ``label_values(...)`` query excepted: Grafana's, not
+    PromQL), every series it names is exported, and every label it groups, selects or lists by
     is one of those series' labels."""
+    if not expr.startswith("label_values("):
+        try:
+            promql_parser.parse(expr)
+        except ValueError as exc:
+            pytest.fail(f"{where}: not PromQL: {exc}\n{expr}")
     names = re.findall(r"sglang_disagg_ext_\w+", expr)
     assert names, where
     for name in names:
