@@ -1,7 +1,7 @@
 """Run SGLang's own GSM8K evaluation against a PD router (and optionally a colocated server).
 
-    python scripts/gsm8k.py --run-dir runs/pd-... --data-path /data/gsm8k/test.jsonl
-    python scripts/gsm8k.py --url http://127.0.0.1:8000 --data-path test.jsonl \\
+    sglang-disagg-ext gsm8k --run-dir runs/pd-... --data-path /data/gsm8k/test.jsonl
+    sglang-disagg-ext gsm8k --url http://127.0.0.1:8000 --data-path test.jsonl \\
         --colocated-model-path /models/Llama-3.1-8B-Instruct --colocated-base-gpu-id 2
 
 The evaluation is the installed release's ``sglang.test.few_shot_gsm8k`` (every
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         reason = probe(url, timeout=args.connect_timeout)
         if reason:
             raise DeployError(f"no SGLang server answers at {url} ({reason}); "
-                              "start one first (scripts/launch_pd.py start ...)")
+                              "start one first (sglang-disagg-ext launch-pd start ...)")
         if args.colocated_url:
             split_url(args.colocated_url)
             reason = probe(args.colocated_url, timeout=max(1.0, deadline - time.monotonic()))

@@ -1,8 +1,8 @@
 """Start a 1P1D deployment (prefill server, decode server, router) with one command, or stop it.
 
-    python scripts/launch_pd.py start --model-path /models/Llama-3.1-8B-Instruct [options]
-    python scripts/launch_pd.py start --model-path ... --dry-run     # print the 3 commands
-    python scripts/launch_pd.py stop --run-dir runs/pd-20260101-120000-1234
+    sglang-disagg-ext launch-pd start --model-path /models/Llama-3.1-8B-Instruct [options]
+    sglang-disagg-ext launch-pd start --model-path ... --dry-run     # print the 3 commands
+    sglang-disagg-ext launch-pd stop --run-dir runs/pd-20260101-120000-1234
 
 ``start`` checks everything it can before starting anything (model folder,
 GPUs, ports, the installed SGLang release, the router), then starts prefill and
