@@ -136,8 +136,8 @@ def _labels_of(name: str) -> Tuple[str, ...]:
 
 
 def _series(metric, name: str, labels: Dict[str, object]):
-    """The child of ``metric`` for ``labels`` plus the process labels."""
-    if not _labels_of(name):
+    """The child of ``metric`` for ``labels`` plus the process labels (``metric`` itself where it has none)."""
+    if not labels and not _process_labels:
         return metric
     return metric.labels(**{k: str(v) for k, v in labels.items()}, **_process_labels)
 

@@ -28,14 +28,18 @@ _OFF = ("", "0", "false", "no", "off")
 _REQUIRE = ("require",)
 
 
+def _setting() -> str:
+    return os.environ.get(VERIFY_ENV, "").strip().lower()
+
+
 def enabled() -> bool:
     """Whether ``SGLANG_DISAGG_EXT_VERIFY`` asks for verified transfers (off by default)."""
-    return os.environ.get(VERIFY_ENV, "").strip().lower() in _ON + _REQUIRE
+    return _setting() in _ON + _REQUIRE
 
 
 def required() -> bool:
     """Whether it asks to fail closed (``require``): a decode fails a room it cannot check."""
-    return os.environ.get(VERIFY_ENV, "").strip().lower() in _REQUIRE
+    return _setting() in _REQUIRE
 
 
 def mode() -> str:
@@ -48,9 +52,9 @@ def invalid_setting() -> Optional[str]:
 
     Such a value leaves verification off; doctor reports it as a problem and the first
     ``-ext`` manager logs it as an ERROR, so a typo never turns the check off silently."""
-    value = os.environ.get(VERIFY_ENV, "")
-    if value.strip().lower() in _ON + _OFF + _REQUIRE:
+    if _setting() in _ON + _OFF + _REQUIRE:
         return None
+    value = os.environ.get(VERIFY_ENV, "")
     return (f"{VERIFY_ENV}={value!r} is neither on ({', '.join(_ON)}), {_REQUIRE[0]} (on, failing rooms that "
             f"arrive without a digest) nor off ({', '.join(repr(v) for v in _OFF)}): verified transfers stay off")
 

@@ -58,9 +58,10 @@ import numpy as np
 import torch
 import zmq
 
-from sglang_disagg_ext import metrics, releases, verification
+from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
+from sglang_disagg_ext.verification import required as verify_required
 from sglang_disagg_ext.backends.shared import FilteringSocket
 from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest, span_digests
 from sglang_disagg_ext.core import digest as dg
@@ -257,6 +258,9 @@ class VerifiedTransferMixin:
         use the tables below, so they exist before ``super().__init__``.
         """
         self._verify_on = verify_enabled()
+        # SGLANG_DISAGG_EXT_VERIFY=require, read once with the switch: a room without every
+        # prefill rank's digest fails on decode instead of succeeding unverified.
+        self._verify_required = verify_required()
         self._verify_tls = threading.local()
         self._verify_lock = threading.Lock()
         self._verify_session_room: Dict[str, int] = {}
@@ -747,9 +751,9 @@ class VerifiedTransferMixin:
         """None when the landed pages match the sources' digests (or cannot be checked), else the reason."""
         expected_ranks = self.required_prefill_response_num_table.get(room)
         if not frames or (expected_ranks is not None and len(frames) < expected_ranks):
-            if verification.required():
+            if self._verify_required:
                 metrics.count("verified_transfers_total", result="refused_unverified")
-                return (f"verified transfer required ({verification.VERIFY_ENV}=require): room {room} arrived with "
+                return (f"verified transfer required ({VERIFY_ENV}=require): room {room} arrived with "
                         f"digests from {len(frames or ())} of {expected_ranks if expected_ranks is not None else 'its'} "
                         "prefill rank(s) (a prefill that does not verify, or a rank that sent none)")
             metrics.count("verified_transfers_total", result="unverified")

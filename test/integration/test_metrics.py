@@ -24,15 +24,12 @@ from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import with_state
 from sglang_disagg_ext.selftest.scenarios.isolation import SCENARIOS as ISOLATION
 from sglang_disagg_ext.selftest.scenarios.thread_survival import SCENARIOS as THREAD_FAULTS
+from support.plugin_metrics import SGLANG_LABELS
 
 POLICY = releases.current_policy()
 PREFILL_FAULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support",
                               "prefill_faults.py")
 STATE_CLASSES = POLICY.is_live("F1") or POLICY.is_live("F2")
-
-
-# SGLang's scheduler labels the plugin adds to every series (metrics.py; releases.sglang_metric_labels).
-SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
 
 
 def _samples(text: str, sglang_labels=None):

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
+from support.plugin_metrics import SGLANG_LABELS
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIM_DIR = ROOT / "test" / "support" / "cpu_server"
 STUBS_DIR = ROOT / "scripts" / "cpu_stubs"
@@ -141,10 +143,6 @@ def samples(text: str, prefix: str) -> List[Tuple[str, Dict[str, str], float]]:
 
     return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text)
             for s in family.samples if s.name.startswith(prefix)]
-
-
-# SGLang's scheduler labels the plugin copies onto its series (releases.sglang_metric_labels).
-SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
 
 
 def sglang_scheduler_labels(text: str) -> Dict[str, str]:

@@ -7,6 +7,10 @@ over the samples that have them. Test-only; outside the wheel."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# SGLang's scheduler labels the plugin copies onto its series, written out by hand from SGLang's
+# scheduler metric labels (releases.sglang_metric_labels cites the lines).
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+
 
 def value(text: str, name: str, **labels) -> float:
     """Sum of sample ``name``'s values whose labels include ``labels`` (0.0 where never counted)."""
