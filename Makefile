@@ -16,7 +16,10 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist). Most tests spend their time waiting on the worker
 # processes and engines they start, so 4 keep a 2-core machine busy: the whole suite
 # ran in 444 s with 4 instead of ~650 s in one (0.5.23). PYTEST_WORKERS=0: one process.
+# worksteal: a worker that runs out takes queued tests from a busy one, so a leg does not end
+# with one worker finishing a queue of slow scenario runs while the others sit idle.
 PYTEST_WORKERS ?= 4
+XDIST := -n $(PYTEST_WORKERS) --dist worksteal
 # patches/<release>/: the fixes as unified diffs against each release's sources.
 PATCH_RELEASES ?= $(sort $(notdir $(patsubst %/,%,$(dir $(wildcard patches/*/*.patch)))))
 PATCHED := .patched-$(SGLANG)
@@ -48,7 +51,7 @@ setup: $(VENV)/.sglang-release
 # SGLANG_DISAGG_EXT_REQUIRE_ALL=1 (set by .ci/run): a skip for a missing required part
 # (engine, MoRI stand-in, plugin module) fails instead (test/conftest.py).
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The CI matrix: every release with a live bug plus the pass-through smoke.
 # Every release runs even when an earlier one fails; the exit status says whether any did.
@@ -84,7 +87,7 @@ check-patches:
 test-patched: setup
 	rm -rf $(PATCHED)
 	$(PY) scripts/apply_patches.py $(SGLANG) $(PATCHED)
-	PYTHONPATH=$(CURDIR)/$(PATCHED) SGLANG_DISAGG_EXT_RETRACT_CYCLES=100 $(PY) -m pytest -n $(PYTEST_WORKERS) $(PATCHED_TESTS) $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(PATCHED) SGLANG_DISAGG_EXT_RETRACT_CYCLES=100 $(PY) -m pytest $(XDIST) $(PATCHED_TESTS) $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/bench.txt

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=cmds.DEVICES,
                    help="cuda (default), or cpu: both servers on this machine's CPU with SGLang's CPU switches "
                         "(a tiny model; for trying PD before a GPU cluster; TP 1, no GPU check)")
-    p.add_argument("--dry-run", action="store_true", help="print the three commands and start nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check that starts no process (model folder, SGLang, router, GPUs, ports), "
+                        "then print the three commands and start nothing")
 
     p = sub.add_parser("restart", help="stop one server of a run folder (if it runs) and start it again "
                                        "with its recorded command; wait for /health")
@@ -212,16 +214,17 @@ def start(args) -> int:
         _err(str(exc))
         return 2
 
-    if args.dry_run:
-        for spec in specs:
-            print(spec.shell_line())
-        return 0
-
+    # A dry run is the deployment gate: every check that starts no process, then the commands.
     try:
         preflight(opts, specs, args.skip_gpu_check)
     except DeployError as exc:
         _err(f"{exc}\nnothing was started")
         return 2
+
+    if args.dry_run:
+        for spec in specs:
+            print(spec.shell_line())
+        return 0
 
     run_dir = args.run_dir or default_run_dir()
     try:

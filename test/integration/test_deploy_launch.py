@@ -70,31 +70,50 @@ def model_dir(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_dry_run_prints_exactly_the_three_commands(tmp_path):
+def test_dry_run_prints_exactly_the_three_commands(tmp_path, model_dir):
     # 0.5.10.post1 has no plugin framework: its servers start through the plugin's launcher.
     module = ("sglang_disagg_ext.launch_server" if installed_sglang_version() == "0.5.10.post1"
               else "sglang.launch_server")
-    model = str(tmp_path / "no-model-needed-for-a-dry-run")
+    model = str(model_dir)
+    ports = free_ports("127.0.0.1", 4)
     out = run_launcher(["start", "--dry-run", "--model-path", model, "--backend", "nixl-ext",
-                        "--prefill-tp", "2", "--decode-tp", "2", "--ib-device", "mlx5_1",
-                        "--prefill-port", "31000", "--decode-port", "31001", "--bootstrap-port", "31002",
-                        "--router-port", "31003", "--router", "mini-lb"], timeout=100, cwd=tmp_path)
+                        "--prefill-tp", "2", "--decode-tp", "2", "--ib-device", "mlx5_1", "--skip-gpu-check",
+                        "--prefill-port", str(ports[0]), "--decode-port", str(ports[1]),
+                        "--bootstrap-port", str(ports[2]), "--router-port", str(ports[3]), "--router", "mini-lb"],
+                       timeout=100, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     py = sys.executable
 
+    p, d, b, r = ports
+
     def server(mode, port, gpu):
         return (f"{py} -m {module} --model-path {model} --disaggregation-mode {mode} "
-                f"--disaggregation-bootstrap-port 31002 --tp-size 2 --base-gpu-id {gpu} "
+                f"--disaggregation-bootstrap-port {b} --tp-size 2 --base-gpu-id {gpu} "
                 f"--disaggregation-transfer-backend nixl-ext --disaggregation-ib-device mlx5_1 "
                 f"--host 127.0.0.1 --port {port}")
 
     assert out.stdout.splitlines() == [
-        server("prefill", 31000, 0),
-        server("decode", 31001, 2),
-        f"{py} -m sglang_disagg_ext.deploy.mini_lb --prefill http://127.0.0.1:31000 31002 "
-        f"--decode http://127.0.0.1:31001 --host 127.0.0.1 --port 31003",
+        server("prefill", p, 0),
+        server("decode", d, 2),
+        f"{py} -m sglang_disagg_ext.deploy.mini_lb --prefill http://127.0.0.1:{p} {b} "
+        f"--decode http://127.0.0.1:{d} --host 127.0.0.1 --port {r}",
     ]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_refuses_what_start_would_refuse(tmp_path, model_dir):
+    """A dry run is a deployment gate: a missing model folder, or too few GPUs, exits 2 with
+    start's message and prints no command."""
+    missing = tmp_path / "models" / "absent"
+    out = run_launcher(["start", "--dry-run", "--model-path", str(missing), "--skip-gpu-check"], timeout=100)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert f"model path {missing} does not exist" in out.stderr and "nothing was started" in out.stderr
+    have, how = gpu_count()
+    if have < 2:  # the default 1P1D on GPUs needs two
+        out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir)], timeout=100)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+        assert "NVIDIA GPU(s)" in out.stderr and "--skip-gpu-check" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, StatePoolSpec, StateSpec
-from sglang_disagg_ext.selftest.scenarios.mooncake import BuiltinScenario
+from sglang_disagg_ext.selftest.scenarios.mooncake import STOCK_SERVES_TIMEOUTS, BuiltinScenario
 
 SRC_PAGES = [2, 3, 4]
 DST_PAGES = [9, 10, 11]
@@ -42,8 +42,13 @@ STOCK_WRONG: Dict[Tuple[int, int], Dict[int, Tuple[Optional[int], Optional[int]]
 
 
 def tail_layers(kind: str, n: int, extra: int) -> Scenario:
-    """One request; prefill's ``kind`` pool has ``n`` layers, decode's ``n + extra``."""
+    """One request; prefill's ``kind`` pool has ``n`` layers, decode's ``n + extra``.
+
+    Every run of it, stock or -ext, patched or not, serves Success on both sides, so SGLang's
+    waiting bound is never waited out and costs nothing when long: the default 8 s was passed
+    once on a loaded CI machine (0.5.23, -n 4: an 8.1 s transfer, decode failed the room)."""
     return Scenario(
+        timeouts=STOCK_SERVES_TIMEOUTS,
         name=f"{kind} {n} layers, decode +{extra}",
         requests=[
             RequestSpec(
