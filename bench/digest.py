@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from bench import shapes
-from sglang_disagg_ext.backends import digest_kernels
-from sglang_disagg_ext.backends.digest_kernels import rows_digest, rows_digests
+from sglang_disagg_ext.backends.common import digest_kernels
+from sglang_disagg_ext.backends.common.digest_kernels import rows_digest, rows_digests
 from sglang_disagg_ext.core import digest as dg
 
 
@@ -124,7 +124,7 @@ def measure_slices(tokens: int, samples: int, heads: int = 2, head_bytes: int = 
     every token of a request's pages (``tokens`` slices of ``head_bytes``) from a prefill page of
     ``heads`` heads into a decode page of one. Thread CPU time of ``span_digests`` (all at once)
     and of one ``span_digest`` call per slice (timed over the first 1,000 and scaled)."""
-    from sglang_disagg_ext.backends.digest_kernels import span_digest, span_digests
+    from sglang_disagg_ext.backends.common.digest_kernels import span_digest, span_digests
 
     page = shapes.PAGE_SIZE
     pages = shapes.pages_for_tokens(tokens, page)

@@ -3,7 +3,7 @@
 Both sides are the real ``send_kvcache_slice`` of their manager class on the
 installed release: stock ``NixlKVManager.send_kvcache_slice`` and the plugin's
 ``NixlExtKVManager.send_kvcache_slice`` (``core.head_slice`` +
-``backends.nixl``), called with identical inputs, and both hand their arrays
+``backends.nixl.conn``), called with identical inputs, and both hand their arrays
 to the same real ``nixl_agent.get_xfer_descs`` (NIXL 1.5.1, an agent without
 backends: building descriptor lists needs none). What is timed is everything
 the method does up to and including the two descriptor lists.
@@ -107,7 +107,7 @@ def _bare_manager(cls, case: HeadSliceCase, agent, ext: bool):
     mgr.pp_size, mgr.pp_rank = 1, 0
     mgr.agent = agent
     if ext:
-        from sglang_disagg_ext.backends.nixl import ExtNixlAgent
+        from sglang_disagg_ext.backends.nixl.conn import ExtNixlAgent
 
         # What NixlExtKVManager.__init__ sets before stock's constructor, and
         # what register_buffer_to_engine records: local KV buffers as VRAM, as
@@ -125,7 +125,7 @@ def measure(case: HeadSliceCase, repeats: int) -> Dict[str, Any]:
     from nixl._api import nixl_agent, nixl_agent_config
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    from sglang_disagg_ext.backends.nixl import NixlExtKVManager
+    from sglang_disagg_ext.backends.nixl.conn import NixlExtKVManager
 
     raw_agent = nixl_agent(f"bench-head-slice-{time.monotonic_ns()}", nixl_agent_config(backends=[]))
     agents = {"stock": _RecordingAgent(raw_agent), "ext": _RecordingAgent(raw_agent)}

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sglang_disagg_ext.backends import retract
+from sglang_disagg_ext.backends.common import retract
 from sglang_disagg_ext.core.page_chunks import page_chunk_rows, page_starts, peak_chunk_bytes
 from sglang_disagg_ext.selftest.scenarios.f5 import PAGE_SIZE, build_nsa_pool
 

@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from sglang_disagg_ext import releases
 
-    from sglang_disagg_ext.backends.mooncake import ext_classes
+    from sglang_disagg_ext.backends.mooncake.conn import ext_classes
 
     policy = releases.current_policy()
     if not ext_classes(policy):

@@ -199,7 +199,7 @@ def is_plugin_class(cls: type) -> bool:
 def fix_of(cls: type) -> str:
     """The fix id a plugin class carries (``F6``..), or ``base`` for the state class."""
     # Read from the module the worker already imported (ext_classes); never imports SGLang itself.
-    backend = sys.modules.get("sglang_disagg_ext.backends.mooncake")
+    backend = sys.modules.get("sglang_disagg_ext.backends.mooncake.conn")
     for fix, mixin in getattr(backend, "_FIX_MIXINS", ()):
         if cls is mixin:
             return fix
@@ -282,7 +282,7 @@ class PageReader:
     def __init__(self):
         import numpy as np
 
-        from sglang_disagg_ext.backends.digest_kernels import _GATHER_CHUNK
+        from sglang_disagg_ext.backends.common.digest_kernels import _GATHER_CHUNK
 
         self._np = np
         self._chunk = _GATHER_CHUNK  # the CPU digest's gather step, so both read alike
@@ -320,8 +320,8 @@ def _verify_env(on: bool):
 
 def _verified_manager_class(policy) -> type:
     """The ext manager class with the verified-transfer mixin (built under the switch)."""
-    from sglang_disagg_ext.backends.mooncake import manager_class
-    from sglang_disagg_ext.backends.mooncake_verify import MooncakeVerifiedTransferMixin
+    from sglang_disagg_ext.backends.mooncake.conn import manager_class
+    from sglang_disagg_ext.backends.mooncake.verify import MooncakeVerifiedTransferMixin
 
     with _verify_env(True):
         cls = manager_class(policy)
@@ -346,7 +346,7 @@ class Worker:
 
         from bench.shapes import state_components
         from sglang_disagg_ext import releases
-        from sglang_disagg_ext.backends.mooncake import ext_classes
+        from sglang_disagg_ext.backends.mooncake.conn import ext_classes
         from sglang_disagg_ext.selftest.harness import sglang_setup as ss
         from sglang_disagg_ext.selftest.harness.scenario import Scenario
 

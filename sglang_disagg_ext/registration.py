@@ -204,7 +204,7 @@ def activate(ext_name: str) -> None:
             ext_classes = {}
         package = importlib.import_module(package_name) if ext_classes else None
         if ext_classes:
-            from sglang_disagg_ext.backends import common_fixes
+            from sglang_disagg_ext.backends.common import compose as common_fixes
 
             ext_classes = common_fixes.compose(ext_classes, package, backend_table.BY_NAME[base].manager_class, policy)
         for attr, cls in ext_classes.items():
@@ -215,12 +215,12 @@ def activate(ext_name: str) -> None:
         if ext_classes:
             _count_transfers(package, package_name, base, ext_name)
         if policy.is_live("F5"):
-            from sglang_disagg_ext.backends.retract import install_retract_fixes
+            from sglang_disagg_ext.backends.common.retract import install_retract_fixes
 
             install_retract_fixes()
             routed.append("retract/resume (F5)")
         if policy.is_live("F10"):
-            from sglang_disagg_ext.backends.metadata_gate import install_metadata_gate_deadline
+            from sglang_disagg_ext.backends.common.metadata_gate import install_metadata_gate_deadline
 
             try:
                 install_metadata_gate_deadline()
@@ -242,7 +242,7 @@ def activate(ext_name: str) -> None:
 
 def _count_transfers(package, package_name: str, base: str, ext_name: str) -> None:
     """Route the routed backend's sender and receiver (plugin's or stock) through a counting subclass."""
-    from sglang_disagg_ext.backends.transfer_count import counted
+    from sglang_disagg_ext.backends.common.transfer_count import counted
 
     record = backend_table.BY_NAME[base]
     for attr, role in ((record.sender_class, "prefill"), (record.receiver_class, "decode")):
@@ -281,8 +281,8 @@ def deactivate() -> None:
     for (package_name, attr), original in list(_replaced.items()):
         setattr(importlib.import_module(package_name), attr, original)
     _replaced.clear()
-    from sglang_disagg_ext.backends.metadata_gate import uninstall_metadata_gate_deadline
-    from sglang_disagg_ext.backends.retract import uninstall_retract_fixes
+    from sglang_disagg_ext.backends.common.metadata_gate import uninstall_metadata_gate_deadline
+    from sglang_disagg_ext.backends.common.retract import uninstall_retract_fixes
 
     uninstall_retract_fixes()
     uninstall_metadata_gate_deadline()

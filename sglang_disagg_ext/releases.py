@@ -33,7 +33,7 @@ this plugin version has no adapter proven against its code, so ``-ext`` passes
 through there. (F6 and F9 on 0.5.10.post1-0.5.22 are live, not uncovered: the
 registration is built inside the receiver and, up to 0.5.20, prefill's bootstrap
 loop reads its socket directly, so ``-ext`` adds and reads the pool-sizes frame
-through the receiver and the socket, see ``backends/mooncake_peers``.) F6-F9 facts per release (every wheel 0.5.10.post1-0.5.23 read):
+through the receiver and the socket, see ``backends/mooncake/peers``.) F6-F9 facts per release (every wheel 0.5.10.post1-0.5.23 read):
 F6 one failed KV send blacklists the decode session (0.5.10.post1
 mooncake/conn.py:1270-1271 ... 0.5.23 :2742-2745), no release checks destination
 indices against decode's pools, and no registration message carries them; F7
@@ -56,7 +56,7 @@ message, on the bootstrap thread); F10: from 0.5.13 the gate is
 0.5.23; before, the same test sits in ``DecodeTransferQueue._commit_transfer_to_req``
 after the TP all-reduce (a per-rank deadline there would desynchronise the ranks),
 so the plugin installs 0.5.13's gate, with the deadline, before the all-reduce
-(``backends/metadata_gate``; the opt-in staging path is not gated there). On
+(``backends/common/metadata_gate``; the opt-in staging path is not gated there). On
 0.5.10.post1 the decode module imports ``sgl_kernel`` (decode.py:54 ->
 managers/schedule_batch.py:71 -> mem_cache/radix_cache.py:65 -> hicache_storage.py:12
 -> memory_pool_host.py:47), present wherever SGLang serves on a GPU; the CPU test
@@ -98,7 +98,7 @@ on both sides and leaves stock's channel: there the status did not overtake a ro
 the harness's delay hook, 5 of 5 rooms in order with 300 ms delays), and the decode
 worker handles statuses inline. Registration there: 11 frames after the guard on
 0.5.10.post1/0.5.11, 13 on 0.5.12.post1-0.5.21. On 0.5.12.x F3's classes are
-mori-ext's; they carry the same row checks (``backends/mori_aux_rows``) and their
+mori-ext's; they carry the same row checks (``backends/mori/aux_rows``) and their
 registration the same row-size frame. Live on every release.
 
 0.5.12.x fixes F4 and F5 only in part (0.5.12.post1 lines): NIXL maps decode-side
@@ -646,7 +646,7 @@ class SGLangFeatures:
         thread-local ``_connect_threadsafe`` socket (0.5.12.post1 mori/conn.py:530, :421, :553;
         0.5.19 :862). 0.5.10.post1-0.5.11 send ``attn_tp_rank * pp_size + pp_rank`` on the
         manager's ``_connect`` socket (0.5.11 mori/conn.py:411, :417). Read by
-        ``mori_verify``, which sends that message itself where it adds the digest."""
+        ``backends/mori/verify``, which sends that message itself where it adds the digest."""
         return (_stock_method_ast("mori/conn.py", "MoriKVManager", "_compute_prefill_unique_rank") is not None
                 and _stock_method_ast("mori/conn.py", "MoriKVManager", "_connect_threadsafe") is not None)
 
@@ -1037,7 +1037,7 @@ class SGLangFeatures:
 
 @dataclasses.dataclass(frozen=True)
 class StockF5Facts:
-    """The installed release's stock F5 code (see ``backends/retract.py``)."""
+    """The installed release's stock F5 code (see ``backends/common/retract.py``)."""
 
     nsa_pool: bool  # NSATokenToKVPool exists
     nsa_offloads_index_k: bool  # it defines its own get_cpu_copy (upstream's fix), not MLA's
@@ -1082,7 +1082,7 @@ def declared_fields(cls) -> frozenset:
 def read_stock_f5() -> StockF5Facts:
     """Read :class:`StockF5Facts` from SGLang's own methods and their source (not cached).
 
-    Reads the stock methods (``backends.retract.stock_callable``), so the
+    Reads the stock methods (``backends.common.retract.stock_callable``), so the
     answer is the same whether or not the plugin's F5 hooks are installed.
     """
     from sglang.srt.disaggregation.utils import MetadataBuffers
@@ -1169,11 +1169,11 @@ def sglang_metric_labels(manager) -> Dict[str, str]:
 def stock_callable(cls: type, name: str):
     """SGLang's own ``cls.name``, whether or not the plugin's F5 hooks are installed.
 
-    The hooks can only be in place once ``backends.retract`` has been imported,
+    The hooks can only be in place once ``backends.common.retract`` has been imported,
     so it is looked up in ``sys.modules`` rather than imported (no import edge
     from this module to the backends).
     """
-    retract = sys.modules.get("sglang_disagg_ext.backends.retract")
+    retract = sys.modules.get("sglang_disagg_ext.backends.common.retract")
     if retract is not None:
         return retract.stock_callable(cls, name)
     for klass in cls.__mro__:

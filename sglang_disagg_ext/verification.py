@@ -6,7 +6,7 @@ it writes at its destination placement, decode recomputes the digest over what
 landed before it reports Success; a room that arrives without every prefill
 rank's digest (a stock prefill) succeeds, counted ``unverified``. ``=require``
 fails such a room on decode instead, naming how many digests came (``core/digest.py``,
-``backends/transfer_verify.py``, ``mooncake_verify.py``, ``nixl_verify.py``). This module is light (no torch, no SGLang at
+``backends/common/verify.py``, ``backends/mooncake/verify.py``, ``backends/nixl/verify.py``). This module is light (no torch, no SGLang at
 import) so that ``doctor`` and ``selftest`` can say what the switch does here.
 """
 
@@ -67,9 +67,9 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
     reads the status frames by position and ignores a trailing one; or, on Mooncake up to
     0.5.19, whose decode loop unpacks exactly three frames, the fourth frame the
     ``-ext`` peers already exchange (F6/F9's pool-sizes registration frame says which
-    decode takes it; ``mooncake_peers``). A NIXL decode that learns Success from that
+    decode takes it; ``backends/mooncake/peers``). A NIXL decode that learns Success from that
     message alone (0.5.23) takes it there; one that concludes from NIXL notifications alone
-    (up to 0.5.22: NIXL's prefill sends no Success message, ``nixl_verify``) takes it from
+    (up to 0.5.22: NIXL's prefill sends no Success message, ``backends/nixl/verify``) takes it from
     the room's aux notification.
     """
     out = {}
@@ -82,7 +82,7 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
         elif base == "mooncake" and not releases.features().kv_status_codec and not (
                 policy.is_live("F6") or policy.is_live("F9")):
             # Up to 0.5.19 the digest rides on the fourth status frame that F6/F9's peer
-            # exchange (mooncake_peers) sends to an -ext decode; without it, nowhere.
+            # exchange (backends/mooncake/peers) sends to an -ext decode; without it, nowhere.
             out[ext] = (f"SGLang {policy.version} has no common status codec (parse_kv_status_message, "
                         "0.5.20+) and these sources carry F6 and F9, whose peer exchange would carry the digest")
         elif base == "mori" and not (
@@ -92,7 +92,7 @@ def available(policy: releases.ReleasePolicy) -> Dict[str, str]:
         elif base == "nixl" and not (releases.features().nixl_success_via_listener_only
                                      or releases.features().nixl_success_via_notifications_only):
             # One way in, one digest: the status message (0.5.23) or the aux notification
-            # (up to 0.5.22, nixl_verify). A release where neither probe holds is not verified.
+            # (up to 0.5.22, backends/nixl/verify). A release where neither probe holds is not verified.
             out[ext] = (f"a NIXL decode on SGLang {policy.version} does not conclude Success from one path the "
                         "plugin can carry the digest on (prefill's status message alone, or NIXL notifications "
                         "alone)")

@@ -40,7 +40,7 @@ Why this shape:
   several words can cancel (probability about ``2**-64`` for unrelated
   changes); this is a check against corruption, not an adversary.
 * Cheap: each word is multiplied and summed in the word's own 64-bit width
-  (no widening, no temporaries: ``backends.digest_kernels`` uses one numpy ``einsum``
+  (no widening, no temporaries: ``backends.common.digest_kernels`` uses one numpy ``einsum``
   pass over the pool's bytes on CPU, one int64 multiply-and-sum on CUDA), and
   the page part is one multiply per item. Version 1 used 32-bit words widened
   to int64 and was 10x a gather of the same bytes.

@@ -3,7 +3,7 @@
 No SGLang or torch import. After a room's KV transfer reports Success, SGLang's
 decode holds the request (poll downgraded to Transferring) until the request's
 metadata row shows its room; nothing bounds that wait, so a lost aux write pins
-the request and its KV pages forever. The adapter (``backends.metadata_gate``)
+the request and its KV pages forever. The adapter (``backends.common.metadata_gate``)
 keeps one :class:`GateClock` per process: the first time the gate holds a
 request its clock starts, with the deadline SGLang's own waiting timeout gives
 at that moment; once the request has been held that long it ends Failed with

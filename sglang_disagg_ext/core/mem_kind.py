@@ -15,7 +15,7 @@ Rules used here:
   the driver cannot tell) the server's device decides: an accelerator device
   (anything but "cpu") means "VRAM", the stock assumption; "cpu" means "DRAM".
 * A remote buffer's kind is whatever the peer registered it as; the backend
-  asks NIXL's copy of the peer's metadata (see ``backends/nixl.py``).
+  asks NIXL's copy of the peer's metadata (see ``backends/nixl/conn.py``).
 * One transfer call uses one kind per side (SGLang builds one descriptor list
   per side); mixed kinds in one call are refused with the buffers named.
 * NIXL addresses host memory with device id 0.

@@ -1,6 +1,6 @@
 """Pure pieces of F8 (transfer-path threads survive unexpected exceptions).
 
-No SGLang or torch import: the Mooncake adapter (``backends.mooncake_threads``)
+No SGLang or torch import: the Mooncake adapter (``backends.mooncake.threads``)
 uses these to name the room a failed message or chunk belonged to and to word
 the failure reason both sides report.
 """

@@ -48,7 +48,7 @@ def test_launcher_routes_in_spawned_children_without_editing_sglang(tiny_model_d
     report = _check_routing(tiny_model_dir, "mooncake-ext")
     assert report["server_args_backend"] == "mooncake"
     expected = (
-        "sglang_disagg_ext.backends.mooncake"
+        "sglang_disagg_ext.backends.mooncake.conn"
         if policy.routes("mooncake")
         else "sglang.srt.disaggregation.mooncake.conn"
     )

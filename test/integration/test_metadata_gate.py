@@ -2,7 +2,7 @@
 
 Narrowest boundary: ``sglang.srt.disaggregation.utils._apply_metadata_gate``,
 the function SGLang's ``poll_and_all_reduce`` looks up on every poll; the ext
-runs replace exactly that module attribute (``backends.metadata_gate``), stock
+runs replace exactly that module attribute (``backends.common.metadata_gate``), stock
 runs leave it alone. It is driven through SGLang's real
 ``DecodeTransferQueue.pop_transferred`` (``selftest/scenarios/metadata_gate.py``
 lists what is real: receiver, status handler, ``MetadataBuffers``, allocator,
@@ -26,7 +26,7 @@ is no gate function: stock holds the request in
 ``DecodeTransferQueue._commit_transfer_to_req``, after the all-reduce, and the
 plugin installs 0.5.13's gate with the deadline before it, through the decode
 module's ``poll_and_all_reduce`` while the transfer queue's ``pop_transferred``
-runs (``backends/metadata_gate.py``); the boundary there is that name.
+runs (``backends/common/metadata_gate.py``); the boundary there is that name.
 """
 
 import gc
@@ -38,7 +38,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sglang_disagg_ext import releases  # noqa: E402
-from sglang_disagg_ext.backends import metadata_gate  # noqa: E402
+from sglang_disagg_ext.backends.common import metadata_gate  # noqa: E402
 from sglang_disagg_ext.selftest.scenarios import metadata_gate as scenario  # noqa: E402
 
 POLICY = releases.current_policy()

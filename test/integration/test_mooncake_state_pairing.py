@@ -5,7 +5,7 @@ nextn draft layer at the tail: the harness builds decode's pool with
 ``StatePoolSpec.decode_extra_layers``). Nothing in SGLang is replaced or
 injected: the only difference between the two runs is the backend name. The
 plugin's change sits at the narrowest point, ``get_mha_kv_ptrs_with_pp`` for
-calls carrying a state component's buffers (``backends/mooncake_state_pairing``).
+calls carrying a state component's buffers (``backends/mooncake/state_pairing``).
 Decode verifies every page byte for byte: prefill layer L's pages in decode
 layer L, every other page (the draft layers' included) still the sentinel.
 """

@@ -21,7 +21,7 @@ Across TP sizes (2 -> 1, 1 -> 2) the fault is a landed byte instead
 to the engine, where the in-flight hook would flip before the digest reads.
 
 Up to 0.5.19 the digest rides on the fourth status frame of the ``-ext`` peer exchange
-(``mooncake_peers``, F6/F9): the same cases run there; where neither is available the
+(``backends/mooncake/peers``, F6/F9): the same cases run there; where neither is available the
 verified cases are skipped (``verification.available``). Where Mooncake's
 prefill bootstrap loop takes decode's notices (0.5.22+), decode's mismatch
 notice reaches prefill and is counted there.

@@ -47,8 +47,8 @@ STANDIN = selftest_mori.standin_dir()
 RUN_TIMEOUT = 240
 
 STOCK_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"
-EXT_MANAGER = "sglang_disagg_ext.backends.mori.MoriExtKVManager"
-F12_MANAGER = "sglang_disagg_ext.backends.mori_newest.MoriOrderedKVManager"
+EXT_MANAGER = "sglang_disagg_ext.backends.mori.conn.MoriExtKVManager"
+F12_MANAGER = "sglang_disagg_ext.backends.mori.metadata_order.MoriOrderedKVManager"
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def standin_modules():
                 name == "mori"
                 or name.startswith("mori.")
                 or name.startswith("sglang.srt.disaggregation.mori")
-                or name == "sglang_disagg_ext.backends.mori"
+                or name == "sglang_disagg_ext.backends.mori.conn"
             ):
                 del sys.modules[name]
         for parent, attr in (("sglang.srt.disaggregation", "mori"), ("sglang_disagg_ext.backends", "mori")):
@@ -84,7 +84,7 @@ def standin_modules():
 
 @pytest.fixture(scope="module")
 def ext(standin_modules):
-    from sglang_disagg_ext.backends import mori as ext_module
+    from sglang_disagg_ext.backends.mori import conn as ext_module
 
     return ext_module
 
@@ -200,7 +200,7 @@ def test_ext_classes_follow_the_release(ext, clean_activation):
     routed = ext.ext_classes(POLICY)
     if POLICY.is_live("F12") and not LIVE:  # F12's classes over stock (test_mori_newest.py)
         assert set(routed) == {"MoriKVManager", "MoriKVReceiver", "MoriKVBootstrapServer"}
-        assert all(c.__module__ == "sglang_disagg_ext.backends.mori_newest" for c in routed.values())
+        assert all(c.__module__ == "sglang_disagg_ext.backends.mori.metadata_order" for c in routed.values())
         return
     if not LIVE:
         assert routed == {}  # n/a before 0.5.12, upstream from 0.5.13: stock classes
@@ -210,7 +210,7 @@ def test_ext_classes_follow_the_release(ext, clean_activation):
     for name, cls in routed.items():
         assert issubclass(cls, getattr(stock, name)) and cls is not getattr(stock, name)
     # F12 is live on 0.5.12.x too: F3's manager carries its row checks.
-    from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
+    from sglang_disagg_ext.backends.mori.aux_rows import AuxRowCheckMixin
 
     assert issubclass(routed["MoriKVManager"], AuxRowCheckMixin)
 

@@ -45,7 +45,7 @@ POLICY = releases.current_policy()
 F12 = POLICY.fixes.get("F12")
 LIVE = F12 is releases.FixStatus.LIVE
 STANDIN = selftest_mori.standin_dir()
-EXT_MANAGER = "sglang_disagg_ext.backends.mori_newest.MoriOrderedKVManager"
+EXT_MANAGER = "sglang_disagg_ext.backends.mori.metadata_order.MoriOrderedKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"
 
 needs_live = pytest.mark.skipif(not LIVE, reason=f"F12 is {F12.value if F12 else 'unknown'} on SGLang {POLICY.version}")
@@ -171,7 +171,7 @@ def test_prefill_transfer_message_fault_fails_the_room_on_both_sides():
     ext = run_scenario(f12.transfer_fault(), "mori-ext", extra_env=f12.transfer_fault_env())
     # F12's class, or F3's on 0.5.12.x (it carries the same handling).
     assert ext.prefill_manager == ext.decode_manager, ext.describe(logs=False)
-    assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori"), ext.describe(logs=False)
+    assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori.conn"), ext.describe(logs=False)
     assert f12.transfer_fault_handled(ext), ext.describe(logs=False)
     assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_thread_recoveries_total",
                                 role="prefill", thread="bootstrap") == 1.0, ext.plugin_metrics
@@ -212,13 +212,13 @@ def conn_modules():
     importlib.invalidate_caches()
     try:
         stock = importlib.import_module("sglang.srt.disaggregation.mori.conn")
-        ext = importlib.import_module("sglang_disagg_ext.backends.mori_newest")
+        ext = importlib.import_module("sglang_disagg_ext.backends.mori.metadata_order")
         yield stock, ext
     finally:
         sys.path.remove(STANDIN)
         for name in list(sys.modules):
             if name == "mori" or name.startswith("mori.") or name.startswith("sglang.srt.disaggregation.mori") \
-                    or name.startswith("sglang_disagg_ext.backends.mori"):
+                    or name.startswith("sglang_disagg_ext.backends.mori.conn"):
                 del sys.modules[name]
         importlib.invalidate_caches()
 

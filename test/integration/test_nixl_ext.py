@@ -44,7 +44,7 @@ pytestmark = [
 ]
 
 POLICY = releases.current_policy()
-EXT_MANAGER = "sglang_disagg_ext.backends.nixl.NixlExtKVManager"
+EXT_MANAGER = "sglang_disagg_ext.backends.nixl.conn.NixlExtKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 
 

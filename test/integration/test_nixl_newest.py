@@ -34,7 +34,7 @@ pytestmark = [
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),
 ]
 
-EXT_MANAGER = "sglang_disagg_ext.backends.nixl_newest.NixlNewestKVManager"
+EXT_MANAGER = "sglang_disagg_ext.backends.nixl.head_sliced.NixlHeadSlicedKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
 FAULTS = os.path.join(SUPPORT, "prefill_faults.py")

@@ -14,14 +14,14 @@ other page still holds its sentinel.
 Stock raises "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid
 models yet." on each prefill rank, per request (0.5.13 nixl/conn.py:1616-1618 ... 0.5.21
 :2674-2676); decode is told from 0.5.20 (``conclude_failure``), before that it ends the room
-only by SGLang's waiting timeout. ``nixl-ext`` (``backends/nixl_swa_tp.py``) sends the window
+only by SGLang's waiting timeout. ``nixl-ext`` (``backends/nixl/swa_tp.py``) sends the window
 cache as head slices. The one replacement: both sides register host memory through the
 harness's shim (``harness/nixl_shim.py``), since UCX here has no CUDA support and stock
 registers the pools as "VRAM"; ``nixl-ext`` keeps stock's memory handling, so it gets the same
 shim. Nothing in the code under test is replaced.
 
 The bootstrap-thread case (F13's class shares F11's registration refusal,
-``backends/nixl_registration.py``) injects one exception with the hook of
+``backends/nixl/registration.py``) injects one exception with the hook of
 ``test/support/prefill_faults.py::raise_in_registration``: stock
 ``_add_remote_peer``'s call to ``_prepare_payload_xfer`` raises once, for decode TP rank 0,
 the narrowest point inside one registration.
@@ -48,7 +48,7 @@ pytestmark = [
     required_part("NIXL", engine_importable("nixl"), "nixl._api does not import"),
 ]
 
-EXT_MANAGER = "sglang_disagg_ext.backends.nixl_swa_tp.NixlSwaTpKVManager"
+EXT_MANAGER = "sglang_disagg_ext.backends.nixl.swa_tp.NixlSwaTpKVManager"
 STOCK_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 REFUSAL = "PD Disaggregation does NOT support PD different TP sizes for non-MLA SWA hybrid models yet."
 RUN_BOUND_S = 240  # one run: startup, one request (stock: up to SGLang's waiting timeout), teardown

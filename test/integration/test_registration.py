@@ -71,7 +71,7 @@ def test_ext_name_parses_to_base_and_routes(loaded, tiny_model_dir, policy, mode
     assert os.environ[loaded.SELECTED_BACKEND_ENV] == "mooncake-ext"
     manager = get_kv_class(TransferBackend(args.disaggregation_transfer_backend), KVClassType.MANAGER)
     if policy.routes("mooncake"):
-        assert manager.__module__ == "sglang_disagg_ext.backends.mooncake"
+        assert manager.__module__ == "sglang_disagg_ext.backends.mooncake.conn"
     else:
         assert manager.__module__ == "sglang.srt.disaggregation.mooncake.conn"
 
@@ -148,7 +148,7 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
     backend = utils.TransferBackend(args.disaggregation_transfer_backend)
     manager = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
     expected = (
-        "sglang_disagg_ext.backends.mooncake"
+        "sglang_disagg_ext.backends.mooncake.conn"
         if policy.routes("mooncake")
         else "sglang.srt.disaggregation.mooncake.conn"
     )
@@ -162,7 +162,7 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
     own_receiver = (policy.routes("mooncake") and (policy.is_live("F6") or policy.is_live("F9"))
                     and not releases.features().mooncake_registration_hooks)
     assert receiver.__module__ == (
-        "sglang_disagg_ext.backends.mooncake_peers" if own_receiver else "sglang.srt.disaggregation.mooncake.conn"
+        "sglang_disagg_ext.backends.mooncake.peers" if own_receiver else "sglang.srt.disaggregation.mooncake.conn"
     )
 
 
@@ -371,7 +371,7 @@ def test_choice_made_by_an_ancestor_reaches_the_child(clean_activation, policy):
     active, module, env = out.stdout.split()
     assert active == "mooncake-ext" and env == "mooncake-ext"
     if policy.routes("mooncake"):
-        assert module == "sglang_disagg_ext.backends.mooncake"
+        assert module == "sglang_disagg_ext.backends.mooncake.conn"
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 from sglang_disagg_ext import releases  # noqa: E402
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, n_pages, page_chunk_rows  # noqa: E402
-from sglang_disagg_ext.backends import retract  # noqa: E402
+from sglang_disagg_ext.backends.common import retract  # noqa: E402
 from sglang_disagg_ext.selftest.scenarios import f5  # noqa: E402
 
 POLICY = releases.current_policy()

@@ -9,7 +9,7 @@ nothing raised into the caller, no thread gone.
 
 Where ``nixl-ext`` is F4's classes (0.5.10.post1-0.5.12.x) the bad index is refused by
 the plugin before any descriptor is built (decode publishes its pool sizes in a trailing
-registration frame, ``backends/nixl.py``), and the reason names the index and the pool
+registration frame, ``backends/nixl/conn.py``), and the reason names the index and the pool
 size. Stock there has no such check and NIXL only checks that a remote descriptor lies
 in *some* region the peer registered, so what stock does depends on the address layout:
 measured on this rig, 0.5.10.post1 wrote the bad pages into the next registered buffer
@@ -46,7 +46,7 @@ POLICY = releases.current_policy()
 
 
 def _f4_classes_routed() -> bool:
-    from sglang_disagg_ext.backends import nixl
+    from sglang_disagg_ext.backends.nixl import conn as nixl
 
     return "NixlKVReceiver" in nixl.ext_classes(POLICY)
 

@@ -35,7 +35,7 @@ def cases(device="cpu"):
 
 def items(device="cpu"):
     """The cases as the device paths take them (``rows_digests`` builds the same)."""
-    from sglang_disagg_ext.backends.digest_kernels import _prepared_rows, _slot_factors
+    from sglang_disagg_ext.backends.common.digest_kernels import _prepared_rows, _slot_factors
     from sglang_disagg_ext.core import digest as dg
 
     out = []
@@ -46,6 +46,6 @@ def items(device="cpu"):
 
 
 if __name__ == "__main__":
-    from sglang_disagg_ext.backends.digest_kernels import _kernel_totals
+    from sglang_disagg_ext.backends.common.digest_kernels import _kernel_totals
 
     print(json.dumps(_kernel_totals(torch.device("cpu"), items("cpu"))))

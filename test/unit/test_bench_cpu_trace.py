@@ -120,7 +120,7 @@ def test_traced_methods_plugin_overrides_and_stock_callees():
                    transfer_worker=lambda self: None, _send_kvcache_generic=lambda self: None)
     mixin = define("Helper", (), "sglang_disagg_ext.backends.x", add_transfer_request=lambda self: None,
                    transfer_worker=lambda self: None, _private_helper=lambda self: None)
-    ext = define("Ext", (mixin, stock), "sglang_disagg_ext.backends.mooncake")
+    ext = define("Ext", (mixin, stock), "sglang_disagg_ext.backends.mooncake.conn")
     m = traced_methods(ext)
     assert [lab for _, _, lab in m["plugin"]] == ["base Helper.add_transfer_request"]  # loops, helpers: not traced
     stock_labels = {lab for _, _, lab in m["stock"]}

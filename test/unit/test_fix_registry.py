@@ -44,4 +44,4 @@ def test_activation_node_ids_name_real_tests():
 def test_describe_names_every_part():
     text = fix_registry.REGISTRY["F7"].describe()
     assert text.splitlines()[0].startswith("F7: Mooncake: hybrid state buffers paired by layer")
-    assert "backends/mooncake_state_pairing.py" in text and "test_mooncake_state_pairing.py" in text
+    assert "backends/mooncake/state_pairing.py" in text and "test_mooncake_state_pairing.py" in text

@@ -3,7 +3,7 @@ and the harness's decode-buffer mapping (patterns.source_buffer). Tables written
 
 import pytest
 
-from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
+from sglang_disagg_ext.backends.mooncake.state_pairing import StatePairingMixin
 from sglang_disagg_ext.core.layer_pairing import LayerPairingError, pair_state_layers
 from sglang_disagg_ext.selftest.harness import patterns
 from sglang_disagg_ext.selftest.scenarios.state_pairing import tail_layers

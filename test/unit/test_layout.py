@@ -94,7 +94,7 @@ def test_the_scan_sees_the_package():
     assert f"{NAME}.releases" in MODULES and f"{NAME}.backend_table" in MODULES
     graph = _graph()
     assert f"{NAME}.releases" in graph[f"{NAME}.registration"]
-    assert f"{NAME}.backends.retract" in graph[f"{NAME}.registration"]  # a function-level import
+    assert f"{NAME}.backends.common.retract" in graph[f"{NAME}.registration"]  # a function-level import
 
 
 @pytest.mark.timeout(30)
@@ -158,3 +158,33 @@ def test_only_releases_probes_sglang_code():
     assert not found, "probe SGLang in releases.features(), not here:\n" + "\n".join(found)
     # The allowance stays exact: a listed call that is gone is removed from the list.
     assert HASATTR_ALLOWED <= hasattr_calls, HASATTR_ALLOWED - hasattr_calls
+
+
+ENGINES = ("mooncake", "nixl", "mori")
+
+
+@pytest.mark.timeout(30)
+def test_engine_packages_stay_apart():
+    """``backends/<engine>/`` imports no other engine's package, and ``backends/common/`` none at all:
+    what two engines share lives in ``common``. Each engine's ``conn`` is the adapter module
+    ``backend_table`` names."""
+    from sglang_disagg_ext import backend_table
+
+    engine_of = {}
+    for m in MODULES:
+        for e in ENGINES:
+            if m == f"{NAME}.backends.{e}" or m.startswith(f"{NAME}.backends.{e}."):
+                engine_of[m] = e
+    assert set(engine_of.values()) == set(ENGINES), engine_of
+    bad = []
+    for m in MODULES:
+        if not m.startswith(f"{NAME}.backends."):
+            continue
+        mine = engine_of.get(m)
+        for t, line in _imports(m):
+            other = engine_of.get(t)
+            if other is not None and other != mine:
+                bad.append(f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {t}")
+    assert not bad, "\n".join(bad)
+    for e in ENGINES:
+        assert backend_table.BY_NAME[e].adapter_module == f"{NAME}.backends.{e}.conn"

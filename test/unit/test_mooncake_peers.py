@@ -1,4 +1,4 @@
-"""``backends.mooncake_peers``: what an ``-ext`` decode publishes and how a failure reason
+"""``backends.mooncake.peers``: what an ``-ext`` decode publishes and how a failure reason
 crosses to it on releases whose decode loop unpacks exactly three status frames.
 
 No engine and no manager: the mixin runs on a small stand-in base class that records
@@ -16,8 +16,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends import mooncake_peers as peers
-from sglang_disagg_ext.backends.shared import FilteringSocket, pool_bounds_frame
+from sglang_disagg_ext.backends.mooncake import peers
+from sglang_disagg_ext.backends.common.shared import FilteringSocket, pool_bounds_frame
 from sglang_disagg_ext.core.index_bounds import decode_frame
 
 pytestmark = pytest.mark.timeout(10)

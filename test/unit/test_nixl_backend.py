@@ -19,9 +19,9 @@ import pytest
 # Plain imports: SGLang's nixl/conn.py imports NIXL only inside the manager, and the
 # plugin's own module must import on every release; an ImportError here is a failure.
 import sglang.srt.disaggregation.nixl.conn as conn  # noqa: E402
-import sglang_disagg_ext.backends.nixl as nixl_ext  # noqa: E402
+import sglang_disagg_ext.backends.nixl.conn as nixl_ext  # noqa: E402
 
-from sglang_disagg_ext.backends.shared import FilteringSocket, FrameAppendingSocket, pool_bounds_frame  # noqa: E402
+from sglang_disagg_ext.backends.common.shared import FilteringSocket, FrameAppendingSocket, pool_bounds_frame  # noqa: E402
 from sglang_disagg_ext.core.head_slice import HeadLayoutError  # noqa: E402
 from sglang_disagg_ext.core.nixl_notif import failure_tag, with_sender_id  # noqa: E402
 from sglang_disagg_ext.core.nixl_quorum import RoomQuorum  # noqa: E402
@@ -305,7 +305,7 @@ _NIXL_FACTS = {
     **{r: (True, False) for r in ("0.5.17", "0.5.18", "0.5.19")},
     **{r: (True, True) for r in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
-# Read by hand (the registration refusal shared by F11 and F13, nixl_registration.py):
+# Read by hand (the registration refusal shared by F11 and F13, backends/nixl/registration.py):
 # (nixl_conclude_failure: common/conn.py defines conclude_failure from 0.5.20;
 #  nixl_is_dummy_method: nixl TransferInfo.is_dummy is a method up to 0.5.19 (0.5.19 :171), a field
 #  from 0.5.20 (:175); stock_nixl_sender_bootstrap_deadline: NixlKVSender.poll calls

@@ -1,4 +1,4 @@
-"""``backends.nixl_verify``: the blocks a NIXL WRITE moves, read from the descriptor lists
+"""``backends.nixl.verify``: the blocks a NIXL WRITE moves, read from the descriptor lists
 SGLang hands the agent (expected rows derived by hand), and the recording agent's
 report of each transfer. No NIXL: a stand-in agent that only returns handles."""
 
@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends.nixl_verify import (  # noqa: E402
+from sglang_disagg_ext.backends.nixl.verify import (  # noqa: E402
     RecordingAgent,
     aux_notif_room,
     descriptor_blocks,

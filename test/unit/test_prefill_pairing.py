@@ -1,4 +1,4 @@
-"""F14's decode-side refusal (``backends.prefill_pairing``) over a stand-in of stock's lookup.
+"""F14's decode-side refusal (``backends.common.prefill_pairing``) over a stand-in of stock's lookup.
 
 The stand-in ``StockLookup`` is the narrowest piece of ``CommonKVManager`` the mixin touches: its
 ``try_ensure_parallel_info`` raises as 0.5.23's does for a page-size mismatch (the message copied
@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from sglang_disagg_ext.backends import prefill_pairing
-from sglang_disagg_ext.backends.prefill_pairing import PrefillPairingMixin
+from sglang_disagg_ext.backends.common import prefill_pairing
+from sglang_disagg_ext.backends.common.prefill_pairing import PrefillPairingMixin
 
 BAD, GOOD = "10.0.0.1:8998", "10.0.0.2:8998"
 FAILED, BOOTSTRAPPING = 0, 1

@@ -1,4 +1,4 @@
-"""backends.digest_kernels agree with core.digest's byte-by-byte reference.
+"""backends.common.digest_kernels agree with core.digest's byte-by-byte reference.
 
 The reference (``core.digest.item_digest``) is checked by hand in test_digest.py;
 here the pool-side kernels (64-bit words through numpy ``einsum`` on CPU, torch
@@ -19,8 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends import digest_kernels  # noqa: E402
-from sglang_disagg_ext.backends.digest_kernels import (  # noqa: E402
+from sglang_disagg_ext.backends.common import digest_kernels  # noqa: E402
+from sglang_disagg_ext.backends.common.digest_kernels import (  # noqa: E402
     _device_totals,
     run_index,
     _slot_factors,

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin  # noqa: E402
+from sglang_disagg_ext.backends.common.verify import VerifiedTransferMixin  # noqa: E402
 from sglang_disagg_ext.core import digest as dg  # noqa: E402
 
 ITEM = 64  # bytes per KV page

@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.retract import retract_fixes
+from sglang_disagg_ext.backends.common.retract import retract_fixes
 
 PAGE_SIZE = 64  # NSATokenToKVPool asserts 64 on CUDA/CPU builds (1 on HIP)
 

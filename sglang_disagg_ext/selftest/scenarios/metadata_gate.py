@@ -7,7 +7,7 @@ per iteration. Everything on the path the fix touches is SGLang's code:
 
 * ``pop_transferred`` -> ``_poll_with_metadata_gate`` -> ``utils.poll_and_all_reduce``
   -> the metadata gate (``utils._apply_metadata_gate``, or the plugin's
-  :func:`~sglang_disagg_ext.backends.metadata_gate.gate_with_deadline` in the
+  :func:`~sglang_disagg_ext.backends.common.metadata_gate.gate_with_deadline` in the
   ext run) -> the MIN all-reduce over a real one-rank gloo process group;
 * the request's receiver is a real ``MooncakeKVReceiver`` (its own ``__init__``
   and ``poll``), whose room reaches Success through the manager's real
@@ -73,7 +73,7 @@ import types
 from typing import Callable, Dict, List, Optional
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.metadata_gate import metadata_gate_deadline
+from sglang_disagg_ext.backends.common.metadata_gate import metadata_gate_deadline
 from sglang_disagg_ext.core.gate_deadline import WAITING_TIMEOUT_ENV
 
 DEADLINE_S = 1  # SGLang reads the timeout as an integer (EnvInt)
@@ -480,7 +480,7 @@ def _stock_gate_poll(queue, decode_req) -> str:
 
 
 def installed_here() -> bool:
-    from sglang_disagg_ext.backends import metadata_gate
+    from sglang_disagg_ext.backends.common import metadata_gate
 
     return metadata_gate.installed()
 

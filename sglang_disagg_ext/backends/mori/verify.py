@@ -10,7 +10,7 @@ constructor assigns it) and each batch's blocks go to
 :meth:`.VerifiedTransferMixin._verify_add_blocks` per decode engine, before the batch
 is handed to MoRI. Decode's buffer starts come from the descriptors in its registration.
 Everything else (placement, partials, the status frame, decode's check) is
-:mod:`.transfer_verify`'s.
+:mod:`..common.verify`'s.
 
 Where MoRI concludes rooms through SGLang's common status codec (0.5.20+, probe
 ``mori_status_codec``) the digest rides there as for the other engines. Up to 0.5.19
@@ -36,8 +36,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.shared import FilteringSocket
-from sglang_disagg_ext.backends.transfer_verify import (
+from sglang_disagg_ext.backends.common.shared import FilteringSocket
+from sglang_disagg_ext.backends.common.verify import (
     _SUCCESS,
     RoomQueue,
     VerifiedTransferMixin,
@@ -120,7 +120,7 @@ class MoriVerifiedTransferMixin(VerifiedTransferMixin):
         """MoRI registers decode's buffers as memory descriptors: their addresses."""
         def addrs(descs):
             # F3's per-component registration lists None for a zero-length state tensor
-            # (0.5.12.x, backends.mori): 0 keeps the buffer's index and places nothing there.
+            # (0.5.12.x, backends.mori.conn): 0 keeps the buffer's index and places nothing there.
             return [int(d.data) if d is not None else 0 for d in descs or []]
 
         states = state_lists(getattr(info, "dst_state_mem_descs", None))

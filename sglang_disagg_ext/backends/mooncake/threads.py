@@ -39,7 +39,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import metrics
-from sglang_disagg_ext.backends.mooncake_peers import conclude_room_failed
+from sglang_disagg_ext.backends.mooncake.peers import conclude_room_failed
 from sglang_disagg_ext.core.thread_survival import failure_reason, room_of_message
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.threads")

@@ -1,8 +1,8 @@
 """``mooncake-ext``: SGLang's Mooncake manager with the plugin's fixes, composed per release.
 
 :func:`manager_class` builds the class from the release's live fixes: one mixin
-per fix (F6 ``mooncake_isolation``, F7 ``mooncake_state_pairing``, F8
-``mooncake_threads``, F9 ``mooncake_registration``), each cooperative, in front
+per fix (F6 ``isolation``, F7 ``state_pairing``, F8
+``threads``, F9 ``registration``), each cooperative, in front
 of the state class below where F1 or F2 is live, else in front of
 :class:`MooncakeExtKVManager` (stock's state path, the activation line and the
 failure plumbing the mixins share).
@@ -32,13 +32,13 @@ from typing import Dict, List, Optional, Sequence
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
 from sglang_disagg_ext import activation_log, releases, verification
-from sglang_disagg_ext.backends.mooncake_isolation import RequestIsolationMixin
-from sglang_disagg_ext.backends.mooncake_peers import MooncakeExtKVReceiver
-from sglang_disagg_ext.backends.mooncake_registration import RegistrationCheckMixin
-from sglang_disagg_ext.backends.mooncake_state_pairing import StatePairingMixin
-from sglang_disagg_ext.backends.mooncake_threads import ThreadSurvivalMixin
-from sglang_disagg_ext.backends.mooncake_verify import MooncakeVerifiedTransferMixin
-from sglang_disagg_ext.backends.shared import report_trim
+from sglang_disagg_ext.backends.mooncake.isolation import RequestIsolationMixin
+from sglang_disagg_ext.backends.mooncake.peers import MooncakeExtKVReceiver
+from sglang_disagg_ext.backends.mooncake.registration import RegistrationCheckMixin
+from sglang_disagg_ext.backends.mooncake.state_pairing import StatePairingMixin
+from sglang_disagg_ext.backends.mooncake.threads import ThreadSurvivalMixin
+from sglang_disagg_ext.backends.mooncake.verify import MooncakeVerifiedTransferMixin
+from sglang_disagg_ext.backends.common.shared import report_trim
 from sglang_disagg_ext.core.state_plan import (
     ComponentPlan,
     Route,
@@ -309,7 +309,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         return {}
     classes = {"MooncakeKVManager": cls}
     # F6/F9 before 0.5.23: the receiver builds decode's registration itself, so the
-    # pool-sizes frame is added there (mooncake_peers).
+    # pool-sizes frame is added there (peers).
     if (policy.is_live("F6") or policy.is_live("F9")) and not releases.features().mooncake_registration_hooks:
         classes["MooncakeKVReceiver"] = MooncakeExtKVReceiver
     return classes

@@ -10,10 +10,10 @@ the source. Some call the engine themselves: 0.5.23's heterogeneous-TP
 a ``batch_transfer_sync`` / ``transfer_sync`` that does not come from
 ``_transfer_data`` on this thread reports its blocks the same way, before the
 engine runs. The rest (placement, partials, the status frame, decode's check) is
-:mod:`.transfer_verify`'s.
+:mod:`..common.verify`'s.
 
 Up to 0.5.19 (no common status codec) the decode's status loop unpacks exactly three
-frames. There the digest rides as the fourth frame that :mod:`.mooncake_peers` already
+frames. There the digest rides as the fourth frame that :mod:`.peers` already
 uses for failure reasons (``DIGEST_PREFIX``), sent only to a decode whose registration
 said it reads digests (an ``-ext`` decode with verification on: it takes the frame off
 before stock reads the message); any other decode gets stock's three frames and the
@@ -38,8 +38,8 @@ import threading
 import numpy as np
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.mooncake_peers import DIGEST_PREFIX
-from sglang_disagg_ext.backends.transfer_verify import _SUCCESS, VerifiedTransferMixin, recorded_attribute
+from sglang_disagg_ext.backends.mooncake.peers import DIGEST_PREFIX
+from sglang_disagg_ext.backends.common.verify import _SUCCESS, VerifiedTransferMixin, recorded_attribute
 
 
 class RecordingMooncakeEngine:
@@ -159,7 +159,7 @@ class MooncakeVerifiedTransferMixin(VerifiedTransferMixin):
                                *self._verify_trailing_frames(DIGEST_PREFIX + frame))
 
     def _keep_digest_frame(self, room: int, prefill_rank: int, frame: bytes, reply) -> None:
-        """Contract: decode's status thread (through :mod:`.mooncake_peers`' socket filter, up
+        """Contract: decode's status thread (through :mod:`.peers`' socket filter, up
         to 0.5.19) hands each Success's digest frame (and prefill's reply address, or None)
         here before stock reads the message; :meth:`update_status` checks it when stock
         concludes the room. Must not raise."""

@@ -6,8 +6,8 @@ once when the backend composes its class and once per manager.
 Prefill: each engine's adapter hands every write it is about to give the engine
 to :meth:`VerifiedTransferMixin._verify_add_blocks` as ``(src, dst, length)``
 blocks for one decode session (Mooncake: ``_transfer_data``,
-``mooncake_verify``; NIXL: the descriptor lists of each transfer it creates,
-``nixl_verify``). Before the engine reads them, each block's source bytes are
+``mooncake.verify``; NIXL: the descriptor lists of each transfer it creates,
+``nixl.verify``). Before the engine reads them, each block's source bytes are
 digested at their *destination* placement (``core.digest``: component, decode
 buffer, decode page, word offset), on the pool's own device (numpy on CPU; on
 CUDA one fused Triton kernel, or torch kernels where Triton is missing; one call
@@ -62,8 +62,8 @@ from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.verification import VERIFY_ENV
 from sglang_disagg_ext.verification import enabled as verify_enabled
 from sglang_disagg_ext.verification import required as verify_required
-from sglang_disagg_ext.backends.shared import FilteringSocket
-from sglang_disagg_ext.backends.digest_kernels import run_index, rows_digests, span_digest, span_digests
+from sglang_disagg_ext.backends.common.shared import FilteringSocket
+from sglang_disagg_ext.backends.common.digest_kernels import run_index, rows_digests, span_digest, span_digests
 from sglang_disagg_ext.core import digest as dg
 from sglang_disagg_ext.core.aux_rows import aux_row_blocks
 

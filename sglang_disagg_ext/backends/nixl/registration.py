@@ -1,7 +1,7 @@
 """``nixl-ext`` prefill: a decode whose registration cannot be served is refused, not fatal.
 
-Shared by F11's class (0.5.22, 0.5.23: :mod:`.nixl_newest`) and F13's
-(0.5.13-0.5.21: :mod:`.nixl_swa_tp`). In every release 0.5.13-0.5.23 stock
+Shared by F11's class (0.5.22, 0.5.23: :mod:`.head_sliced`) and F13's
+(0.5.13-0.5.21: :mod:`.swa_tp`). In every release 0.5.13-0.5.23 stock
 NIXL's prefill bootstrap thread registers each decode rank by calling
 ``_add_remote_peer`` from its one receive loop (0.5.13 nixl/conn.py:1857,
 0.5.21 :3057, 0.5.23 :3415-3426), with no handler around it (0.5.21-0.5.23
@@ -62,7 +62,7 @@ from sglang.srt.utils.network import NetworkAddress
 from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.core.head_slice import HeadLayoutError, check_head_sliced_pair, resolve_total_kv_heads
 from sglang_disagg_ext.core.state_plan import state_kind_name
-from sglang_disagg_ext.backends.shared import FilteringSocket
+from sglang_disagg_ext.backends.common.shared import FilteringSocket
 from sglang_disagg_ext.core.thread_survival import root_cause
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")

@@ -38,14 +38,14 @@ head math.
 A layout the head math cannot serve (heads that do not split over a TP size,
 an SWA pool whose head bytes differ between the sides, different layer-buffer
 counts) is refused at registration, before any request to that decode rank
-is accepted (:meth:`.nixl_registration.RegistrationRefusalMixin._check_pair`,
+is accepted (:meth:`.registration.RegistrationRefusalMixin._check_pair`,
 shared with F11), with one error naming the component, both TP sizes and the
 sizes that differ; stock instead fails each request at transfer time, after
 its KV pages went out. The per-chunk path still raises ``HeadLayoutError``
 (the transfer worker then fails the room) should a layout reach it anyway.
 
 Prefill's bootstrap thread survives a registration that raises
-(:class:`.nixl_registration.RegistrationRefusalMixin`, shared with F11's class):
+(:class:`.registration.RegistrationRefusalMixin`, shared with F11's class):
 stock's thread (0.5.13 nixl/conn.py:1821-1880) has no handler, so one exception
 while registering one decode rank ends it, and every later room of every decode
 waits out SGLang's timeouts. Here that decode rank is refused with the exception
@@ -63,8 +63,8 @@ from typing import Dict, List, Optional
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, releases
-from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
-from sglang_disagg_ext.backends.shared import report_trim
+from sglang_disagg_ext.backends.nixl.registration import RegistrationRefusalMixin
+from sglang_disagg_ext.backends.common.shared import report_trim
 from sglang_disagg_ext.core.head_slice import (
     HeadLayout,
     HeadLayoutError,

@@ -14,7 +14,7 @@ that their registration has 13 frames after the guard (``from_zmq`` reads positi
 0.5.21 mori/conn.py:203-237): the count is read from the installed wheel
 (``releases.features().mori_registration_frames``), never assumed.
 
-F3 (per-component state) is upstream in 0.5.23, so nothing of :mod:`backends.mori`
+F3 (per-component state) is upstream in 0.5.23, so nothing of :mod:`backends.mori.conn`
 runs here. SGLang's default ("TCP") metadata path sends each metadata buffer's
 row of a request as an ``AUX_DATA`` message from a per-thread ZMQ socket
 (``send_aux_tcp`` / ``_send_aux_data_to_endpoint`` over ``_connect_threadsafe``,
@@ -55,7 +55,7 @@ What this module changes:
   the exception in the reason, counted in
   ``thread_recoveries_total{role="decode",thread="status_worker"}``.
 * **A decode's transfer message whose handling raises** (prefill, issue 15, every
-  release): :mod:`.mori_transfer_info`; that room ends Failed on both sides at once.
+  release): :mod:`.transfer_info`; that room ends Failed on both sides at once.
 
 With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status
 waits for them (stock), so only the length check of the prefill path applies.
@@ -71,7 +71,7 @@ stock's): from 0.5.12.post1 rows and status leave on one ``_connect_threadsafe``
 socket from one thread (ordered), and on 0.5.10.post1/0.5.11, which open a new
 socket per message, the harness's delay hook could not make the status overtake a
 row. A row refused on prefill is recorded and concluded Failed the way that
-release concludes a failure (:mod:`.mori_aux_rows`), which sends Failed with the
+release concludes a failure (:mod:`.aux_rows`), which sends Failed with the
 reason to decode. A stock prefill is served there
 (no ``ORDER_ROUTE`` probe); the decode still checks every row it receives. The
 registration frame follows stock's 11 frames on 0.5.10.post1/0.5.11, 13 on
@@ -87,9 +87,9 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mori import conn as _conn
 
 from sglang_disagg_ext import activation_log, metrics, releases
-from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
-from sglang_disagg_ext.backends.mori_transfer_info import TransferInfoFailureMixin
-from sglang_disagg_ext.backends.shared import probe_prefill_version, register_appending
+from sglang_disagg_ext.backends.mori.aux_rows import AuxRowCheckMixin
+from sglang_disagg_ext.backends.mori.transfer_info import TransferInfoFailureMixin
+from sglang_disagg_ext.backends.common.shared import probe_prefill_version, register_appending
 from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.thread_survival import failure_reason as thread_failure_reason
 

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from sglang_disagg_ext import metrics, releases, verification
-from sglang_disagg_ext.backends.digest_kernels import rows_digests
+from sglang_disagg_ext.backends.common.digest_kernels import rows_digests
 from sglang_disagg_ext.core import digest as dg
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, page_chunk_rows, page_starts, restore_bounds
 

@@ -8,7 +8,7 @@ called there) and its ``NixlKVReceiver.poll`` also concludes Success from NIXL n
 so a dead listener loses prefill's Failed messages rather than every status.
 
 F4 (head slices, notification keys, memory kinds) is upstream in 0.5.22 and 0.5.23, so
-nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
+nothing of :mod:`backends.nixl.conn` runs here; this class only adds, on prefill:
 
 * **Registration check** (``_add_remote_peer``, bootstrap thread): before stock
   registers a decode whose attention TP size differs (non-MLA, no DCP relayout),
@@ -25,7 +25,7 @@ nothing of :mod:`backends.nixl` runs here; this class only adds, on prefill:
   goes on (stock logs and re-raises, :3415-3426).
   A refused decode's rooms end Failed at once on both sides (SGLang's own
   status message tells decode). Both, the refusal and the survival, are
-  :class:`.nixl_registration.RegistrationRefusalMixin`, which F13's class on
+  :class:`.registration.RegistrationRefusalMixin`, which F13's class on
   0.5.13-0.5.21 shares, with the head-layout check (``_check_pair``).
 * **Decode listener survival** (decode): stock's ``decode_listener_thread``
   (nixl/conn.py:1017-1043) has no handler, and on 0.5.23 it is the only way a
@@ -59,15 +59,15 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, metrics
-from sglang_disagg_ext.backends.nixl_registration import RegistrationRefusalMixin
-from sglang_disagg_ext.backends.shared import report_trim
+from sglang_disagg_ext.backends.nixl.registration import RegistrationRefusalMixin
+from sglang_disagg_ext.backends.common.shared import report_trim
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
 from sglang_disagg_ext.core.thread_survival import failure_reason
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
-class NixlNewestKVManager(RegistrationRefusalMixin, NixlKVManager):
+class NixlHeadSlicedKVManager(RegistrationRefusalMixin, NixlKVManager):
     """Stock 0.5.22/0.5.23 NIXL manager with F11; see the module docstring."""
 
     refusal_fix = "F11"

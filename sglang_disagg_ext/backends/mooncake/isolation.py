@@ -30,8 +30,8 @@ Here:
 On 0.5.23 through stock's hooks (``build_receiver_registration_message``,
 ``_make_worker_recv``, ``conclude_failure``, ``_send_probe``); on 0.5.10.post1-
 0.5.22, whose decode builds the registration inside the receiver, through
-:class:`.mooncake_peers.MooncakeExtKVReceiver` and a wrapped server socket
-(:mod:`.mooncake_peers`), the three steps of ``conclude_failure`` by hand where
+:class:`.peers.MooncakeExtKVReceiver` and a wrapped server socket
+(:mod:`.peers`), the three steps of ``conclude_failure`` by hand where
 the release has none (before 0.5.20), and the engine's own ``send_probe`` (no
 manager ``_send_probe`` there; up to 0.5.12.x stock has no probe loop at all: a
 marked session stays marked until decode registers again). Flat layout (0.5.10.post1,
@@ -48,7 +48,7 @@ import threading
 
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin, conclude_room_failed, state_kinds_of
+from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed, state_kinds_of
 from sglang_disagg_ext.core.index_bounds import check_destination
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.isolation")

@@ -18,7 +18,7 @@ from sglang_disagg_ext.releases import ReleasePolicy
 def _mixins(policy: ReleasePolicy) -> tuple:
     mixins = []
     if policy.is_live("F14"):
-        from sglang_disagg_ext.backends.prefill_pairing import PrefillPairingMixin
+        from sglang_disagg_ext.backends.common.prefill_pairing import PrefillPairingMixin
 
         mixins.append(("F14", PrefillPairingMixin))
     return tuple(mixins)

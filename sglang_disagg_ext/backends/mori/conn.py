@@ -59,9 +59,9 @@ except ModuleNotFoundError as _exc:  # pragma: no cover - depends on the machine
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import activation_log
-from sglang_disagg_ext.backends.mori_aux_rows import AuxRowCheckMixin
-from sglang_disagg_ext.backends.mori_transfer_info import TransferInfoFailureMixin
-from sglang_disagg_ext.backends.shared import probe_prefill_version
+from sglang_disagg_ext.backends.mori.aux_rows import AuxRowCheckMixin
+from sglang_disagg_ext.backends.mori.transfer_info import TransferInfoFailureMixin
+from sglang_disagg_ext.backends.common.shared import probe_prefill_version
 from sglang_disagg_ext.core.aux_rows import encode_aux_item_lens
 from sglang_disagg_ext.core.state_blocks import mamba_slot_block, paged_byte_blocks
 from sglang_disagg_ext.core.state_plan import (
@@ -225,7 +225,7 @@ def _peer_address(payload: List[bytes]) -> Tuple[str, int]:
 
 class MoriExtKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, MoriKVManager):
     """MoRI manager with per-component state, and F12's metadata-row checks
-    (:class:`.mori_aux_rows.AuxRowCheckMixin`, F12 is live on 0.5.12.x too); see the module docstring."""
+    (:class:`.aux_rows.AuxRowCheckMixin`, F12 is live on 0.5.12.x too); see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         """Contract: SGLang builds one manager per scheduler process, on the scheduler
@@ -325,7 +325,7 @@ class MoriExtKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, MoriKVManager
         ``transfer_infos`` / status only under ``transfer_lock`` and never after
         the room left Bootstrapping (a sender may be using them); never raise: a
         message that cannot be handled fails its room on both sides
-        (:class:`~.mori_transfer_info.TransferInfoFailureMixin`, issue 15).
+        (:class:`~.transfer_info.TransferInfoFailureMixin`, issue 15).
         """
         try:
             self._accept_transfer_info(payload)
@@ -674,10 +674,10 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.mori`` to route to the plugin.
 
     Where F3 is live (0.5.12.x) the F3 classes below (which carry F12's row checks);
-    elsewhere, where F12 is live, ``backends.mori_newest``'s classes over stock's.
+    elsewhere, where F12 is live, ``backends.mori.metadata_order``'s classes over stock's.
     """
     if policy.is_live("F12") and not policy.is_live("F3"):
-        from sglang_disagg_ext.backends.mori_newest import ext_classes as ordered_classes
+        from sglang_disagg_ext.backends.mori.metadata_order import ext_classes as ordered_classes
 
         classes = ordered_classes()
         classes["MoriKVManager"] = _with_verification(classes["MoriKVManager"], policy)
@@ -698,7 +698,7 @@ def _with_verification(cls: type, policy: ReleasePolicy) -> type:
     from sglang_disagg_ext import verification
 
     def mixin() -> type:
-        from sglang_disagg_ext.backends.mori_verify import MoriVerifiedTransferMixin
+        from sglang_disagg_ext.backends.mori.verify import MoriVerifiedTransferMixin
 
         return MoriVerifiedTransferMixin
 

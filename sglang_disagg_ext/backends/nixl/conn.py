@@ -99,7 +99,7 @@ from sglang_disagg_ext.core.head_slice import (
     resolve_total_kv_heads,
     transfer_requests,
 )
-from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
+from sglang_disagg_ext.backends.common.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.index_bounds import check_destination
 from sglang_disagg_ext.core.nixl_notif import aux_room, failure_tag, parse_failure_tag, with_sender_id
 from sglang_disagg_ext.core.nixl_quorum import AUX, RoomQuorum
@@ -956,8 +956,8 @@ class NixlExtKVSender(NixlKVSender):
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.nixl`` to route to the plugin.
 
-    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl_newest``'s manager alone, where
-    F13 is (0.5.13-0.5.21) ``backends.nixl_swa_tp``'s.
+    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager alone, where
+    F13 is (0.5.13-0.5.21) ``backends.nixl.swa_tp``'s.
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -968,12 +968,12 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     if policy.is_live("F11"):
         # 0.5.22, 0.5.23: F4 is upstream; only F11 is composed over stock's manager
         # (stock's sender reports the conclusions F11 makes).
-        from sglang_disagg_ext.backends.nixl_newest import NixlNewestKVManager
+        from sglang_disagg_ext.backends.nixl.head_sliced import NixlHeadSlicedKVManager
 
-        return {"NixlKVManager": _with_verification(NixlNewestKVManager, policy)}
+        return {"NixlKVManager": _with_verification(NixlHeadSlicedKVManager, policy)}
     if policy.is_live("F13"):
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
-        from sglang_disagg_ext.backends.nixl_swa_tp import NixlSwaTpKVManager
+        from sglang_disagg_ext.backends.nixl.swa_tp import NixlSwaTpKVManager
 
         return {"NixlKVManager": _with_verification(NixlSwaTpKVManager, policy)}
     return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
@@ -1002,7 +1002,7 @@ def _with_verification(cls: type, policy: ReleasePolicy, placement: Optional[typ
     from sglang_disagg_ext import verification
 
     def mixin() -> type:
-        from sglang_disagg_ext.backends.nixl_verify import NixlVerifiedTransferMixin
+        from sglang_disagg_ext.backends.nixl.verify import NixlVerifiedTransferMixin
 
         if placement is None:
             return NixlVerifiedTransferMixin

@@ -27,7 +27,7 @@ published pool sizes (this plugin's decode, which takes the frame off before
 stock reads the message and records the reason in place of stock's "it might
 be dead"); a stock decode gets stock's three frames. The same fourth frame
 carries a verified prefill's digest with a Success (issue 16,
-:mod:`.mooncake_verify`), only to a decode whose frame says it reads digests.
+:mod:`.verify`), only to a decode whose frame says it reads digests.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
+from sglang_disagg_ext.backends.common.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.thread_survival import prefill_unique_rank
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.peers")
@@ -223,7 +223,7 @@ class PeerPoolsMixin:
     def _send_status_with(self, remote, dst_port, room, status, prefill_rank, extra: bytes, *more: bytes) -> None:
         """Stock's status message to a decode endpoint (up to 0.5.19 ``sync_status_to_decode_endpoint``
         sends the same three frames: room, status, prefill rank) plus a fourth frame ``extra``
-        (a reason here, a digest in ``mooncake_verify``, then ``more``: its reply address),
+        (a reason here, a digest in ``verify``, then ``more``: its reply address),
         which only an ``-ext`` decode's filter takes off. Raises what stock's send raises."""
         from sglang.srt.utils.network import NetworkAddress
 

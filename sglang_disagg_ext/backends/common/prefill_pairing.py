@@ -14,7 +14,7 @@ then answers it with an error, as for any failed transfer), and so does every la
 it, without asking it again, until the refusal is ``RECHECK_S`` old; then the next request asks
 again (a prefill restarted with the right flags is served). Every other prefill is served as
 before. Composed over every engine's ``-ext`` manager where the check raises
-(``releases.features().decode_pairing_check``), by ``backends.common_fixes``.
+(``releases.features().decode_pairing_check``), by ``backends.common.compose``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Digest kernels: ``core.digest``'s definition computed over pool rows on the rows' own device.
 
-Used by the verified-transfer paths (``transfer_verify``: prefill's source blocks at their
+Used by the verified-transfer paths (``verify``: prefill's source blocks at their
 destination placement, decode's landed pages) and by F5's retract check (``retract``). No
 SGLang import. ``rows_digests`` is the entry for whole items (numpy on CPU; on a device one
 fused Triton kernel per call, or torch kernels where Triton is missing); ``span_digest`` for

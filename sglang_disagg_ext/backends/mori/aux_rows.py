@@ -1,4 +1,4 @@
-"""F12's metadata-row checks for ``mori-ext``, shared by F12's manager (:mod:`.mori_newest`,
+"""F12's metadata-row checks for ``mori-ext``, shared by F12's manager (:mod:`.metadata_order`,
 every release but 0.5.12.x) and F3's (:mod:`.mori`, 0.5.12.x), where F12 is live on every release.
 
 Stock MoRI's decode writes each metadata row it receives at the row's index
@@ -20,7 +20,7 @@ its tail, and the request reports Success with it. Here:
 How a room fails and how rows are sent depend on the release (probe
 ``mori_sender_notifies_status``): from 0.5.20 transfer workers conclude rooms
 through ``conclude_failure`` and the rows go out on the status socket (see
-:mod:`.mori_newest`); up to 0.5.19 the rows go out through stock's
+:mod:`.metadata_order`); up to 0.5.19 the rows go out through stock's
 ``send_aux_tcp`` and the status later through ``notify_decode_status`` (a
 failure, with the recorded reason, through the sender up to 0.5.18), and on
 0.5.19 a refusal is concluded through the manager's ``_conclude_room_failure``

@@ -11,7 +11,7 @@ remembers what each descriptor list and prepared handle holds, and when a WRITE
 transfer is created it hands the transfer's ``(src, dst, length)`` blocks and peer
 agent to :meth:`.VerifiedTransferMixin._verify_add_blocks`, before the transfer
 exists and so before the engine reads a byte. Everything else (placement, partials,
-the status frame, decode's check) is :mod:`.transfer_verify`'s.
+the status frame, decode's check) is :mod:`..common.verify`'s.
 
 How the digest travels depends on how the decode learns a room's Success:
 
@@ -56,7 +56,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import releases
-from sglang_disagg_ext.backends.transfer_verify import VerifiedTransferMixin, logger, recorded_attribute
+from sglang_disagg_ext.backends.common.verify import VerifiedTransferMixin, logger, recorded_attribute
 from sglang_disagg_ext.core import digest as dg
 
 _DLIST_MEMORY = 256  # descriptor lists remembered between get_xfer_descs and their use

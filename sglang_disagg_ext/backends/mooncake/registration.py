@@ -12,7 +12,7 @@ Here, on prefill:
 
 * the verdict is reached in ``check_peer_aux_buffer_count``, where stock
   makes its check, from decode's buffer count and, when an ``-ext`` decode
-  published them (the pool-sizes frame, :mod:`.mooncake_peers`), its
+  published them (the pool-sizes frame, :mod:`.peers`), its
   row sizes (:mod:`..core.registration_check`). A pair that cannot be served
   gets ONE error line at registration, naming the counts and sizes (in place of
   stock's, which says the leading buffers are sent);
@@ -32,11 +32,11 @@ Where the verdict is reached, by release
 * 0.5.10.post1-0.5.22, which have no such check and pair the buffers by
   position whatever their counts and sizes (``send_aux``: decode's list
   indexes prefill's row sizes, 0.5.22 mooncake/conn.py:1755-1759): as the
-  registration arrives on the bootstrap thread, where :mod:`.mooncake_peers`
+  registration arrives on the bootstrap thread, where :mod:`.peers`
   notes the pool-sizes frame, before stock parses the message; decode's count
   is stock frame 5 (packed 8-byte pointers, ``KVArgsRegisterInfo.from_zmq``
   in every release). The refusal is concluded by hand there
-  (``mooncake_peers.conclude_room_failed``: reason, status, every decode rank
+  (``peers.conclude_room_failed``: reason, status, every decode rank
   told; an ``-ext`` decode gets the reason frame).
 """
 
@@ -47,7 +47,7 @@ import logging
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_disagg_ext import metrics, releases
-from sglang_disagg_ext.backends.mooncake_peers import PeerPoolsMixin, conclude_room_failed
+from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed
 from sglang_disagg_ext.core.registration_check import aux_pairing_problem
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.registration")
