@@ -103,7 +103,7 @@ wheel:
 	git rev-parse --short=12 HEAD > sglang_disagg_ext/_commit.txt
 	python3 -m pip wheel --no-deps --no-build-isolation -w dist . ; rc=$$?; rm -f sglang_disagg_ext/_commit.txt; exit $$rc
 
-# The long soak (issue 19): stock and -ext side by side; CI runs a short one in `make test`
+# The long soak: stock and -ext side by side; CI runs a short one in `make test`
 # (test/integration/test_soak_engine.py). SOAK_ARGS adds to or overrides the options.
 SOAK_ARGS ?=
 soak: setup

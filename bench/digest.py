@@ -1,4 +1,4 @@
-"""Verified transfers (issue 16): what the digest costs next to moving the same bytes.
+"""Verified transfers: what the digest costs next to moving the same bytes.
 
 A benchmark, not a test. For the KV pages of one request of ``--tokens`` tokens in
 the bench's shapes (``bench.shapes``: 4 layers, K and V buffers, 64-token pages,

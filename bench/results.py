@@ -29,7 +29,7 @@ CPU_KEYS = ("case", "added_cpu_us", "transfer_us", "fraction")
 FIX_KEY = "fix_cpu_overhead"
 FIX_KEYS = ("case", "fix", "added_cpu_us", "stock_cpu_us", "transfer_us", "fraction")
 REQUIRED_KEYS = RATIO_KEYS + ("plugin_load_ms", CPU_KEY, FIX_KEY)
-# Issue 16, optional: verified/unverified ext transfer time (a list as RATIO_KEYS), or
+# Optional: verified/unverified ext transfer time (a list as RATIO_KEYS), or
 # "n/a: <why>" where verification does not work on the release.
 VERIFY_KEY = "verified_over_unverified"
 # Added CPU per request at most this fraction of the transfer's time, judged at this many tokens.

@@ -7,7 +7,7 @@ Items 1, 2, 6 and 7 (the Mooncake transfer path) run on every release where
 ``mooncake-ext`` has a live fix; items 3 and 4 measure F4 / F5 code and say
 ``n/a: upstream on this release`` where those fixes are upstream (0.5.13+).
 
-Item 8 (issue 16): verified/unverified ``mooncake-ext`` transfer time, end to end
+Item 8: verified/unverified ``mooncake-ext`` transfer time, end to end
 (prefill's send until decode saw Success, decode's digest check included), where
 ``verification.available`` says verification works; "n/a: <why>" elsewhere.
 
@@ -160,7 +160,7 @@ def run(args) -> Dict[str, Any]:
 
     from sglang_disagg_ext import verification
 
-    # Item 8 (issue 16): verified/unverified, where verification works on this release.
+    # Item 8: verified/unverified, where verification works on this release.
     verify_why = verification.available(policy).get("mooncake-ext", "")
     transfer, goodput, verified = [], [], []
     with TransferBench(plan, per_component, max_seconds=args.max_seconds, verified=not verify_why) as tb:

@@ -214,7 +214,7 @@ class TransferBench:
         sent["end_to_end_s"] = max(done["ends"]) - sent["t0"]
         return sent
 
-    # -- verified transfers (issue 16) ----------------------------------------------------
+    # -- verified transfers ----------------------------------------------------
     def verify_case(self, case: shapes.TransferCase, repeats: int) -> Dict[str, Any]:
         """Verified against unverified ext transfers of ``case``: ``repeats`` interleaved
         rounds, each timed from prefill's first ``send()`` until decode saw the last room

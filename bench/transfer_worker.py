@@ -53,7 +53,7 @@ from typing import Any, Dict, List
 
 VARIANTS = ("stock", "ext")
 # ``--variants stock,ext,verified``: a third pair of managers, the ext class built with
-# SGLANG_DISAGG_EXT_VERIFY=1 (issue 16's digests on both sides), for verified/unverified.
+# SGLANG_DISAGG_EXT_VERIFY=1 (digests on both sides), for verified/unverified.
 VERIFIED = "verified"
 POLL_SLEEP_S = 0.0001
 FINAL = ("Success", "Failed")

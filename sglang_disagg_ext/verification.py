@@ -1,4 +1,4 @@
-"""Verified transfers (issue 16): the switch, and where it can work.
+"""Verified transfers: the switch, and where it can work.
 
 ``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment (off by default)
 asks every ``-ext`` backend that can to prove its bytes: prefill digests what

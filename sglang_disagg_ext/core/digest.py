@@ -1,4 +1,4 @@
-"""The transfer digest (issue 16): a linear sum over destination words. No SGLang, no torch.
+"""The transfer digest: a linear sum over destination words. No SGLang, no torch.
 
 Definition (frame version 2). A transfer writes bytes into destination *items*
 (one page of one buffer of one component). View every item as little-endian

@@ -45,7 +45,7 @@ class PoolBounds:
     # Bytes per row of each metadata buffer, in registration order (F9 compares
     # them with prefill's); None: not published (a decode older than F9).
     aux_item_lens: Optional[tuple] = None
-    # The decode verifies transfers (issue 16) and, where its status loop takes only
+    # The decode verifies transfers and, where its status loop takes only
     # stock's three frames (Mooncake up to 0.5.19), reads a digest frame an -ext
     # prefill appends to a Success. Not a bound: the frame is all an -ext decode
     # tells prefill about itself.

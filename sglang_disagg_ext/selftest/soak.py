@@ -36,9 +36,9 @@ P=1/D=2: one process per rank, each rank's pools holding its share of
 heads), with failed posts (each prefill rank counts its own) and without the
 restart, which replaces the one decode process of a 1x1 run.
 Up to 0.5.12.x SGLang does not send SWA state across different TP sizes (stock
-and ``nixl-ext``: issue 15), so the CLI runs those with KV and aux only.
+and ``nixl-ext``), so the CLI runs those with KV and aux only.
 
-Not covered yet (issue 19): mismatched state lengths as a bad input (0.5.23
+Not covered yet: mismatched state lengths as a bad input (0.5.23
 truncates SWA/DSA state lists on purpose, mooncake/conn.py), Mooncake with
 several ranks a side.
 """

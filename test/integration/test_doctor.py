@@ -76,7 +76,7 @@ def test_doctor_fails_when_plugin_is_whitelisted_out(policy):
         assert code == 0 and report["entry_point"] is False
 
 
-# Verified transfers (issue 16), by hand from the wheels. Mooncake on every release where mooncake-ext
+# Verified transfers, by hand from the wheels. Mooncake on every release where mooncake-ext
 # routes: 0.5.20+ through SGLang's common status codec, which carries a trailing frame (common/conn.py
 # parse_kv_status_message / send_kv_status_message); up to 0.5.19, whose decode loop unpacks exactly three
 # status frames, through the fourth frame the -ext peers exchange (F6/F9, live on every one of them). NIXL

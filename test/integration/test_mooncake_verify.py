@@ -1,4 +1,4 @@
-"""Issue 16, first cut: verified Mooncake transfers (``SGLANG_DISAGG_EXT_VERIFY=1``).
+"""Verified Mooncake transfers (``SGLANG_DISAGG_EXT_VERIFY=1``).
 
 Injection (the narrowest boundary): ``test/support/inflight_flip.py`` shadows the
 prefill engine's ``batch_transfer_sync`` and flips one byte of the source page

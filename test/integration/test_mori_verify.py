@@ -1,4 +1,4 @@
-"""Issue 16: verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), every supported release
+"""Verified MoRI transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), every supported release
 (CI: 0.5.10.post1, 0.5.11, 0.5.12.post1 with F3's classes, 0.5.23).
 
 MoRI's engine needs its RDMA stack, which this machine does not have: both sides run

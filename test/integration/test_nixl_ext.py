@@ -195,7 +195,7 @@ def test_only_errorless_timeouts_count_as_starved():
 
 # Runs after the first when a P1->D4 *stock* leg failed for the environment. Uncached:
 # the session-4 version re-read the lru_cache and so never ran again (CI, d633822).
-# An -ext run is never run again: its first result is the result (issue 20, rule 4).
+# An -ext run is never run again: its first result is the result (a second try would hide an -ext failure that happens one run in a few).
 P1D4_ENV_RERUNS = 2
 
 

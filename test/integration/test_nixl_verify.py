@@ -1,4 +1,4 @@
-"""Issue 16: verified NIXL transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), on real NIXL (UCX over 127.0.0.1).
+"""Verified NIXL transfers (``SGLANG_DISAGG_EXT_VERIFY=1``), on real NIXL (UCX over 127.0.0.1).
 
 Injection (the narrowest boundary for an engine that posts transfers from descriptor
 lists and completes them later): ``test/support/inflight_flip.py::flip_one_landed_byte``,

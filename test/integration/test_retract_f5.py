@@ -409,7 +409,7 @@ def _mismatches(component: str) -> float:
 @needs_nsa_hooks
 @pytest.mark.timeout(120)
 def test_verified_resume_names_a_byte_that_changed(monkeypatch, caplog):
-    """Issue 16 (retract/resume), CPU pool, the plugin's F5 hooks: with SGLANG_DISAGG_EXT_VERIFY=1 the
+    """Verified retract/resume, CPU pool, the plugin's F5 hooks: with SGLANG_DISAGG_EXT_VERIFY=1 the
     offload records digests of the request's KV rows and index-key pages and the resume checks the
     restored ones against them (each item placed by its position in the request). A round trip to
     other slots agrees; one byte changed in the host copy of index-key layer 1 between retract and

@@ -1,4 +1,4 @@
-"""core.digest: the verified-transfer digest (issue 16, frame version 2), checked against values derived by hand.
+"""core.digest: the verified-transfer digest (frame version 2), checked against values derived by hand.
 
 Expected values come from the definition in ``core/digest.py``'s docstring
 (little-endian unsigned 64-bit words, zero-padded tail, odd weights, all mod

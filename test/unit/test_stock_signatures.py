@@ -1,4 +1,4 @@
-"""Stock failure signatures (issue 20, rule 1): a differential accepts stock's failure only
+"""Stock failure signatures: a differential accepts stock's failure only
 when it is the live bug's, never a setup error, a harness error or a deadline.
 
 Results are written by hand in the shapes real stock runs produced (0.5.10.post1,

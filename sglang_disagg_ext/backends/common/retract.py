@@ -291,7 +291,7 @@ class NSACpuCopy(list):
         return sum(t.nbytes for layer in self for t in layer) + sum(t.nbytes for layer in self.index_k for t in layer)
 
 
-# -- verified retract/resume (issue 16, SGLANG_DISAGG_EXT_VERIFY=1) -------------------------------------
+# -- verified retract/resume (SGLANG_DISAGG_EXT_VERIFY=1) -------------------------------------
 # The request's KV rows and index-key pages are digested (``core.digest``, on the pool's device) where
 # they are when offloaded and again where the resume put them; each item is placed by its position in
 # the request, so the two agree exactly when every byte came back to its place. A resume has no failure
@@ -384,7 +384,7 @@ def nsa_get_cpu_copy(self, indices, mamba_indices=None, **kwargs):
     synchronize_device(device)  # writes of the last forward pass must land first
     kv = offload_rows(self.kv_buffer, indices, self.cpu_offloading_chunk_size, self.layer_num)
     index_k = offload_index_k(self, indices)
-    # With verification on (issue 16), what the request's rows and pages hold now, to check the resume against.
+    # With verification on, what the request's rows and pages hold now, to check the resume against.
     digests = retract_digests(self, indices) if verification.enabled() else None
     synchronize_device(device)  # host copies complete before the caller frees the slots
     metrics.count("retract_offloads_total")

@@ -1,4 +1,4 @@
-"""Verified transfers (issue 16): the engine-independent half, shared by ``mooncake-ext`` and ``nixl-ext``.
+"""Verified transfers: the engine-independent half, shared by ``mooncake-ext`` and ``nixl-ext``.
 
 Switch: ``SGLANG_DISAGG_EXT_VERIFY=1`` in the scheduler's environment, read
 once when the backend composes its class and once per manager.
@@ -249,7 +249,7 @@ def recorded_attribute(key: str, wrap, doc: str) -> property:
 
 
 class VerifiedTransferMixin:
-    """Issue 16 verification over SGLang's common status codec; see the module docstring.
+    """Verified transfers over SGLang's common status codec; see the module docstring.
     Cooperative, outermost; an engine adapter subclasses it and feeds ``_verify_add_blocks``."""
 
     def __init__(self, *args, **kwargs):

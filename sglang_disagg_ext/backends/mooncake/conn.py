@@ -275,7 +275,7 @@ def manager_class(policy: ReleasePolicy) -> Optional[type]:
     """
     mixins = tuple(mixin for fix, mixin in _FIX_MIXINS if policy.is_live(fix))
     fixes = "".join(fix for fix, mixin in _FIX_MIXINS if mixin in mixins)
-    # Issue 16 (opt-in): outermost, so its digest sees every engine write the
+    # Verified transfers (opt-in): outermost, so its digest sees every engine write the
     # fixes let through, and its decode check runs before any Success.
     if verification.enabled():
         why = verification.available(policy)["mooncake-ext"]

@@ -26,7 +26,7 @@ die on a fourth, so there prefill adds the reason only for a decode that
 published pool sizes (this plugin's decode, which takes the frame off before
 stock reads the message and records the reason in place of stock's "it might
 be dead"); a stock decode gets stock's three frames. The same fourth frame
-carries a verified prefill's digest with a Success (issue 16,
+carries a verified prefill's digest with a Success (
 :mod:`.verify`), only to a decode whose frame says it reads digests.
 """
 
@@ -106,7 +106,7 @@ class PeerPoolsMixin:
         # published pool sizes (so it reads a reason frame). Decode: room -> the
         # reason prefill sent with its Failed status, until stock records it.
         self._reason_endpoints = set()
-        self._digest_endpoints = set()  # of those, the ones that read a digest frame (issue 16)
+        self._digest_endpoints = set()  # of those, the ones that read a digest frame (verified transfers)
         self._peer_reasons = {}
         super().__init__(*args, **kwargs)
 

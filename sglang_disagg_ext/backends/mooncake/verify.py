@@ -1,4 +1,4 @@
-"""Verified transfers for ``mooncake-ext`` (issue 16): where Mooncake's writes meet the digest.
+"""Verified transfers for ``mooncake-ext``: where Mooncake's writes meet the digest.
 
 Most engine writes of SGLang's Mooncake manager (KV, paged state, Mamba slots, the
 aux row) go through ``_transfer_data(session, blocks)`` with ``(src, dst, length)``

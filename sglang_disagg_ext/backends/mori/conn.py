@@ -325,7 +325,7 @@ class MoriExtKVManager(TransferInfoFailureMixin, AuxRowCheckMixin, MoriKVManager
         ``transfer_infos`` / status only under ``transfer_lock`` and never after
         the room left Bootstrapping (a sender may be using them); never raise: a
         message that cannot be handled fails its room on both sides
-        (:class:`~.transfer_info.TransferInfoFailureMixin`, issue 15).
+        (:class:`~.transfer_info.TransferInfoFailureMixin`).
         """
         try:
             self._accept_transfer_info(payload)

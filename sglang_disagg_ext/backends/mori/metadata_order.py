@@ -47,14 +47,14 @@ What this module changes:
   the engine). Before registering, the decode asks the prefill's bootstrap
   server for ``ORDER_ROUTE`` (served by :class:`MoriOrderedKVBootstrapServer`
   only) and fails the request with the reason when it is missing.
-* **A status message whose handling raises** (decode, issue 15): stock's decode
+* **A status message whose handling raises** (decode): stock's decode
   status worker (0.5.23 mori/conn.py:1007-1042, the same loop from 0.5.20) catches
   any exception from ``apply_prefill_status``, logs it and goes on, but leaves the
   room as it was: prefill has concluded it, decode holds it until SGLang's waiting
   timeout (300 s by default). Here that room ends Failed on decode at once with
   the exception in the reason, counted in
   ``thread_recoveries_total{role="decode",thread="status_worker"}``.
-* **A decode's transfer message whose handling raises** (prefill, issue 15, every
+* **A decode's transfer message whose handling raises** (prefill, every
   release): :mod:`.transfer_info`; that room ends Failed on both sides at once.
 
 With ``SGLANG_MORI_SEND_AUX_RDMA=1`` rows go through the engine and the status

@@ -1,4 +1,4 @@
-"""``mori-ext`` prefill (issue 15): a decode's transfer message whose handling raises fails that room
+"""``mori-ext`` prefill: a decode's transfer message whose handling raises fails that room
 on both sides at once.
 
 Read in every wheel (0.5.10.post1 mori/conn.py:280-305 ... 0.5.23 :866-921): prefill's

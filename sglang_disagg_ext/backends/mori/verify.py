@@ -1,4 +1,4 @@
-"""Verified transfers for ``mori-ext`` (issue 16): where MoRI's writes meet the digest.
+"""Verified transfers for ``mori-ext``: where MoRI's writes meet the digest.
 
 SGLang's MoRI manager moves every byte RDMA carries with ``engine.batch_write(local
 descriptors, local offsets, remote descriptors, remote offsets, sizes, uids)``: each

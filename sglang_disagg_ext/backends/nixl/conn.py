@@ -11,7 +11,7 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   0.5.12.x map decode-side replicas by modulo (e.g. 2 heads, prefill TP 1 ->
   decode TP 4: decode rank 1 gets head 1 and rank 2 head 0, the other way
   round; 0.5.11 conn.py:555, 0.5.12.post1 conn.py:1003).
-* **SWA state across TP sizes** (issue 15): stock raises for non-MLA SWA state
+* **SWA state across TP sizes**: stock raises for non-MLA SWA state
   whenever prefill and decode TP sizes differ, so a hybrid SWA model cannot run
   heterogeneous TP over NIXL. An SWA window cache is attention KV (``2 *
   layers`` paged buffers, the same heads), so ``maybe_send_extra`` sends its
@@ -37,7 +37,7 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   prefill and sends ``<room>_fail_...`` to its decode ranks, which an ext
   decode turns into Failed at once (stock decode ignores the tag and times
   out). On <= 0.5.11 stock raises such errors into the scheduler instead.
-* **Destination bounds** (found by the soak, issue 19): nothing in stock
+* **Destination bounds** (found by the soak): nothing in stock
   compares a decode index with decode's pool, and NIXL checks a remote
   descriptor only against the peer's *registered regions*, so an index past
   one KV buffer lands in the next registered buffer and both sides report
@@ -50,7 +50,7 @@ What changes against stock ``NixlKVManager`` (0.5.10.post1, 0.5.11, 0.5.12.x):
   decode publishes nothing: its rooms run unchecked, as stock, named once.
   State indices are not checked here (these releases register state as one
   flat buffer list; no per-component bound).
-* **Every prefill rank concludes** (found by the soak, issue 19): every prefill
+* **Every prefill rank concludes** (found by the soak): every prefill
   rank feeding a decode rank writes the same aux row, and stock decode completes
   a room on the first ``<room>_aux`` notification, so one rank's row could end
   the room Success on decode while another rank's post of it failed and that

@@ -1,4 +1,4 @@
-"""Verified transfers for ``nixl-ext`` (issue 16): where NIXL's writes meet the digest.
+"""Verified transfers for ``nixl-ext``: where NIXL's writes meet the digest.
 
 SGLang's NIXL manager has no single write call like Mooncake's ``_transfer_data``:
 it builds descriptor lists (``get_xfer_descs``, ``prep_xfer_dlist``, plain or

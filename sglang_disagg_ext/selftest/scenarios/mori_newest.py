@@ -95,7 +95,7 @@ def short_row_reason(prefill_len: int, decode_len: int) -> str:
     )
 
 
-# -- the decode status worker (issue 15: a status message whose handling raises) -----------------------
+# -- the decode status worker (a status message whose handling raises) -----------------------
 # Decode hook in test/support/prefill_faults.py: decode's update_status(1000, Success), which
 # apply_prefill_status calls on the status worker for prefill's Success message, raises once.
 STATUS_FAULT_HOOK = "raise_on_status_success"
@@ -166,7 +166,7 @@ def status_fault_stock_signature(result) -> bool:
     )
 
 
-# -- the prefill bootstrap thread (issue 15: a decode's transfer message whose handling raises) --------
+# -- the prefill bootstrap thread (a decode's transfer message whose handling raises) --------
 # Prefill hook in test/support/prefill_faults.py: prefill's update_status(1000, WaitingForInput),
 # the last step of _handle_transfer_message on the bootstrap thread, raises once.
 TRANSFER_FAULT_HOOK = "raise_on_waiting_for_input"
