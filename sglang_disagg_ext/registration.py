@@ -214,23 +214,9 @@ def activate(ext_name: str) -> None:
             routed.append(attr)
         if ext_classes:
             _count_transfers(package, package_name, base, ext_name)
-        if policy.is_live("F5"):
-            from sglang_disagg_ext.backends.common.retract import install_retract_fixes
+        from sglang_disagg_ext.backends.common import hooks
 
-            install_retract_fixes()
-            routed.append("retract/resume (F5)")
-        if policy.is_live("F10"):
-            from sglang_disagg_ext.backends.common.metadata_gate import install_metadata_gate_deadline
-
-            try:
-                install_metadata_gate_deadline()
-                routed.append("metadata gate deadline (F10)")
-            except ImportError as exc:
-                # The gate lives in a module this process cannot import (up to 0.5.12.x the
-                # decode module, with its scheduler imports): the -ext name still routes its
-                # classes; the deadline is named as missing rather than taking them down.
-                logger.warning("sglang-disagg-ext F10 not installed: %s", exc)
-                routed.append(f"no metadata gate deadline (F10: {exc})")
+        routed += [hooks.install(hook) for hook in hooks.HOOKS if policy.is_live(hook.fix)]
     _active_backend = ext_name
     line = f"{policy.summary_line()}; {ext_name} -> " + (
         ", ".join(routed) if routed else f"stock {base} classes (pass-through)")
@@ -281,11 +267,9 @@ def deactivate() -> None:
     for (package_name, attr), original in list(_replaced.items()):
         setattr(importlib.import_module(package_name), attr, original)
     _replaced.clear()
-    from sglang_disagg_ext.backends.common.metadata_gate import uninstall_metadata_gate_deadline
-    from sglang_disagg_ext.backends.common.retract import uninstall_retract_fixes
+    from sglang_disagg_ext.backends.common import hooks
 
-    uninstall_retract_fixes()
-    uninstall_metadata_gate_deadline()
+    hooks.uninstall_all()
     activation_log.record(None)
     _active_backend = None
 

@@ -14,8 +14,8 @@ never imported from here.
   verified transfers (``verify``).
 * ``mori/``: F3 (``conn``, 0.5.12.x), F12 (``metadata_order``; its row checks ``aux_rows``), a
   transfer message that raises on prefill (``transfer_info``), verified transfers (``verify``).
-* ``common/``: F14 (``prefill_pairing``, composed over every engine's manager by ``compose``), F5
-  (``retract``), F10 (``metadata_gate``), the engine-independent half of verified transfers
+* ``common/``: F14 (``prefill_pairing``, composed over every engine's manager by ``compose``), the hooks
+  table (``hooks``: F5 ``retract``, F10 ``metadata_gate``), the engine-independent half of verified transfers
   (``verify``, over ``digest_kernels``), the per-request transfer count (``transfer_count``) and
   small shared pieces (``shared``).
 """

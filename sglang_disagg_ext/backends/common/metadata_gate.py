@@ -71,6 +71,7 @@ import weakref
 from typing import Dict, List
 
 from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.common import hooks
 from sglang_disagg_ext.core.gate_deadline import GateClock, gate_failure_reason
 
 logger = logging.getLogger("sglang_disagg_ext")
@@ -326,20 +327,6 @@ def installed() -> bool:
 
 @contextlib.contextmanager
 def metadata_gate_deadline(enabled: bool = True):
-    """Run a block with the F10 gate installed (``enabled``) or with the stock gate.
-
-    Restores the previous state afterwards, so tests can compare stock and ext
-    in one process.
-    """
-    was_installed = installed()
-    if enabled:
-        install_metadata_gate_deadline()
-    else:
-        uninstall_metadata_gate_deadline()
-    try:
+    """A block with the F10 gate in (``enabled``) or the stock gate; what was there is restored after."""
+    with hooks.toggled(enabled, installed, install_metadata_gate_deadline, uninstall_metadata_gate_deadline):
         yield
-    finally:
-        if was_installed:
-            install_metadata_gate_deadline()
-        else:
-            uninstall_metadata_gate_deadline()

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from sglang_disagg_ext import metrics, releases, verification
+from sglang_disagg_ext.backends.common import hooks
 from sglang_disagg_ext.backends.common.digest_kernels import rows_digests
 from sglang_disagg_ext.core import digest as dg
 from sglang_disagg_ext.core.page_chunks import chunk_bounds, page_chunk_rows, page_starts, restore_bounds
@@ -560,20 +561,6 @@ def retract_fixes_installed() -> bool:
 
 @contextlib.contextmanager
 def retract_fixes(enabled: bool = True):
-    """Run a block with the F5 fixes installed (``enabled``) or with stock code.
-
-    Restores the previous state afterwards, so tests can compare stock and ext
-    in one process.
-    """
-    was_installed = retract_fixes_installed()
-    if enabled:
-        install_retract_fixes()
-    else:
-        uninstall_retract_fixes()
-    try:
+    """A block with the F5 hooks in (``enabled``) or stock code; what was there is restored after."""
+    with hooks.toggled(enabled, retract_fixes_installed, install_retract_fixes, uninstall_retract_fixes):
         yield
-    finally:
-        if was_installed:
-            install_retract_fixes()
-        else:
-            uninstall_retract_fixes()
