@@ -69,7 +69,7 @@ def model_dir(tmp_path):
     return d
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_dry_run_prints_exactly_the_three_commands(tmp_path, model_dir):
     # 0.5.10.post1 has no plugin framework: its servers start through the plugin's launcher.
     module = ("sglang_disagg_ext.launch_server" if installed_sglang_version() == "0.5.10.post1"
@@ -80,7 +80,7 @@ def test_dry_run_prints_exactly_the_three_commands(tmp_path, model_dir):
                         "--prefill-tp", "2", "--decode-tp", "2", "--ib-device", "mlx5_1", "--skip-gpu-check",
                         "--prefill-port", str(ports[0]), "--decode-port", str(ports[1]),
                         "--bootstrap-port", str(ports[2]), "--router-port", str(ports[3]), "--router", "mini-lb"],
-                       timeout=100, cwd=tmp_path)
+                       timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     py = sys.executable
 
@@ -101,65 +101,65 @@ def test_dry_run_prints_exactly_the_three_commands(tmp_path, model_dir):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_dry_run_refuses_what_start_would_refuse(tmp_path, model_dir):
     """A dry run is a deployment gate: a missing model folder, or too few GPUs, exits 2 with
     start's message and prints no command."""
     missing = tmp_path / "models" / "absent"
-    out = run_launcher(["start", "--dry-run", "--model-path", str(missing), "--skip-gpu-check"], timeout=100)
+    out = run_launcher(["start", "--dry-run", "--model-path", str(missing), "--skip-gpu-check"], timeout=240)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     assert f"model path {missing} does not exist" in out.stderr and "nothing was started" in out.stderr
     have, how = gpu_count()
     if have < 2:  # the default 1P1D on GPUs needs two
-        out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir)], timeout=100)
+        out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir)], timeout=240)
         assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
         assert "NVIDIA GPU(s)" in out.stderr and "--skip-gpu-check" in out.stderr, out.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_missing_model_path_starts_nothing(tmp_path):
     run_dir = tmp_path / "run"
     missing = tmp_path / "models" / "absent"
     out = run_launcher(["start", "--model-path", str(missing), "--run-dir", str(run_dir),
-                        "--skip-gpu-check"], timeout=100)
+                        "--skip-gpu-check"], timeout=240)
     assert out.returncode == 2
     assert f"model path {missing} does not exist" in out.stderr
     assert "nothing was started" in out.stderr
     assert not run_dir.exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_folder_without_config_is_refused(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     out = run_launcher(["start", "--model-path", str(empty), "--run-dir", str(tmp_path / "run"),
-                        "--skip-gpu-check"], timeout=100)
+                        "--skip-gpu-check"], timeout=240)
     assert out.returncode == 2
     assert f"model path {empty} has no config.json" in out.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_no_gpu_is_refused_before_anything_starts(tmp_path, model_dir):
     have, how = gpu_count()
     if have >= 2:
         pytest.skip(f"this machine has {have} NVIDIA GPUs ({how}); the refusal needs fewer than 2")
     out = run_launcher(["start", "--model-path", str(model_dir), "--run-dir", str(tmp_path / "run")],
-                       timeout=100)
+                       timeout=240)
     assert out.returncode == 2
     assert f"the servers need 2 NVIDIA GPU(s) (GPU ids 0..1) but {have}" in out.stderr
     assert "--skip-gpu-check" in out.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_taken_port_is_named_and_nothing_starts(tmp_path, model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         out = run_launcher(["start", "--model-path", str(model_dir), "--run-dir", str(tmp_path / "run"),
-                            "--skip-gpu-check", "--decode-port", str(port)], timeout=100)
+                            "--skip-gpu-check", "--decode-port", str(port)], timeout=240)
     assert out.returncode == 2
     assert f"port {port} (--decode-port) on 127.0.0.1 is not available: already in use" in out.stderr
     assert not (tmp_path / "run").exists()
@@ -262,14 +262,14 @@ def test_start_route_gsm8k_and_stop_exactly_the_recorded_pids(tmp_path, model_di
         assert result["results"]["pd"]["accuracy"] == 0.5
         assert result["results"]["pd"]["invalid"] == 0.25
 
-        stop = run_launcher(["stop", "--run-dir", str(run_dir), "--grace", "10"], timeout=100)
+        stop = run_launcher(["stop", "--run-dir", str(run_dir), "--grace", "10"], timeout=240)
         assert stop.returncode == 0, stop.stderr
         for s in record["servers"]:
             assert f"{s['name']}: stopping pid {s['pid']} (running)" in stop.stdout
         assert wait_gone(pids) == {p: True for p in pids}
         assert not gone(bystander.pid)
 
-        again = run_launcher(["stop", "--run-dir", str(run_dir)], timeout=100)
+        again = run_launcher(["stop", "--run-dir", str(run_dir)], timeout=240)
         assert again.returncode == 0
         assert again.stdout.splitlines() == [f"{s['name']}: pid {s['pid']} had already exited"
                                              for s in record["servers"]]

@@ -173,7 +173,7 @@ def test_f3_status_matches_the_release_table():
     assert releases.EXT_BACKENDS["mori-ext"] == "mori"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_doctor_does_not_see_the_standin():
     """`sglang-disagg-ext doctor` keeps reporting mori as not importable: the stand-in is never installed."""
     import json
@@ -182,7 +182,7 @@ def test_doctor_does_not_see_the_standin():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
         [sys.executable, "-m", "sglang_disagg_ext.cli", "doctor", "--json"],
-        env=env, capture_output=True, text=True, timeout=100,
+        env=env, capture_output=True, text=True, timeout=240,
     )
     engines = json.loads(out.stdout)["engines"]
     found = subprocess.run(

@@ -61,7 +61,7 @@ def test_names_registered_once(loaded):
         assert server_args.DISAGG_TRANSFER_BACKEND_CHOICES.count(name) == 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_ext_name_parses_to_base_and_routes(loaded, tiny_model_dir, policy, mode):
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -262,7 +262,7 @@ def test_ext_name_takes_base_branch_at_every_string_site(loaded, tiny_model_dir,
         assert _evaluate(node, ext_value) == as_base != as_typed, where
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_enum_sites_take_base_branch(loaded, tiny_model_dir):
     from sglang.srt.disaggregation.utils import TransferBackend
 
@@ -271,7 +271,7 @@ def test_enum_sites_take_base_branch(loaded, tiny_model_dir):
         assert TransferBackend(value) is TransferBackend(base)
 
 
-def _run(code, env=None, timeout=120):
+def _run(code, env=None, timeout=240):
     full_env = dict(os.environ)
     full_env.pop("SGLANG_DISAGG_EXT_BACKEND", None)
     full_env.pop("SGLANG_DISAGG_EXT_BACKEND_PID", None)
@@ -300,7 +300,7 @@ def _loader_line(policy):
     return "from sglang_disagg_ext.registration import load_plugin; load_plugin()"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_unknown_ext_name_fails_at_parsing_listing_valid_names(tiny_model_dir, policy):
     proc = _run(_PARSE_VIA_SGLANG_LOADER.format(load=_loader_line(policy), model=tiny_model_dir, backend="foo-ext"))
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -309,7 +309,7 @@ def test_unknown_ext_name_fails_at_parsing_listing_valid_names(tiny_model_dir, p
         assert f"'{name}'" in proc.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_sglang_plugins_whitelist_is_respected(tiny_model_dir, policy):
     if not policy.has_plugin_framework:
         # Nothing to whitelist: this release has no plugin loader at all, and
@@ -333,7 +333,7 @@ def test_unsupported_release_is_a_clear_error_at_start(loaded, tiny_model_dir, m
     assert _server_args(tiny_model_dir, "mooncake").disaggregation_transfer_backend == "mooncake"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ext_name_without_its_engine_fails_where_stock_fails(loaded, tiny_model_dir):
     """MoRI is ROCm-only: on this machine `mori-ext` must parse and then fail exactly where `mori` does."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -363,7 +363,7 @@ print(registration.active_backend(), cls.__module__, os.environ.get("SGLANG_DISA
 """
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_choice_made_by_an_ancestor_reaches_the_child(clean_activation, policy):
     """As SGLang's scheduler inherits it: the parent (this test process) made the choice."""
     out = _run(_CHILD_ROUTE, env=clean_activation.selection_env("mooncake-ext"))
@@ -374,7 +374,7 @@ def test_choice_made_by_an_ancestor_reaches_the_child(clean_activation, policy):
         assert module == "sglang_disagg_ext.backends.mooncake.conn"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("owner", [None, "not-a-pid", "dead"])
 def test_stale_choice_in_the_environment_is_ignored(clean_activation, owner):
     """A SGLANG_DISAGG_EXT_BACKEND no ancestor set (an operator's shell, a copied environment)
@@ -392,7 +392,7 @@ def test_stale_choice_in_the_environment_is_ignored(clean_activation, owner):
     assert "ignoring SGLANG_DISAGG_EXT_BACKEND=mooncake-ext" in out.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stock_name_after_an_ext_name_in_one_process_is_stock(loaded, tiny_model_dir):
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -406,7 +406,7 @@ def test_stock_name_after_an_ext_name_in_one_process_is_stock(loaded, tiny_model
     assert cls.__module__ == "sglang.srt.disaggregation.mooncake.conn"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_release_newer_than_known_passes_through_with_one_warning(tiny_model_dir):
     """After an upgrade past the newest known release the -ext name still starts, as pass-through:
     the stock classes, one WARNING naming the known range. (The installed SGLang stands in for the
@@ -435,7 +435,7 @@ print(args.disaggregation_transfer_backend, cls.__module__, registration.active_
     assert "SGLang 0.6.0 is newer than the newest release sglang-disagg-ext knows (0.5.23): no fix is active" in warnings[0]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_resolving_the_same_record_again_keeps_the_choice(loaded, tiny_model_dir, policy):
     """0.5.23's ``resolve_once()`` runs again on a resolved record (a no-op there): the
     record now says "mooncake", rewritten by the plugin, which is not a stock choice."""

@@ -66,18 +66,18 @@ def _first_mooncake_scenario() -> str:
 # -- refused before any transfer ----------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(_has_cuda(), reason="this machine has CUDA: --device cuda would be honoured, not refused")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_device_cuda_without_cuda_exits_before_any_transfer(device):
-    out = _cli("--backend", "mooncake", "--device", device, timeout=100)
+    out = _cli("--backend", "mooncake", "--device", device, timeout=240)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert f"--device {device}: CUDA is not available here" in out.stderr
     assert "torch.cuda.is_available() is False" in out.stderr
     assert out.stdout == ""  # no table: nothing ran
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -87,7 +87,7 @@ def test_device_cuda_without_cuda_exits_before_any_transfer(device):
     ],
 )
 def test_bad_options_named(args, message):
-    out = _cli("--backend", "mooncake", *args, timeout=100)
+    out = _cli("--backend", "mooncake", *args, timeout=240)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert message in out.stderr
     assert out.stdout == ""

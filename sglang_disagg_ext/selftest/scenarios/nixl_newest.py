@@ -68,8 +68,10 @@ TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=5.0, sglan
 # cost nothing there, and a loaded CI machine (0.5.23) once started a decode rank of the
 # TP 1 -> 4 run 5.1 s late, past TIMEOUTS, so -ext's served room timed out.
 CONCLUDED_TIMEOUTS = Timeouts(request_s=60.0, startup_s=150.0, sglang_waiting_s=30.0, sglang_bootstrap_s=30.0)
-# -ext concludes refused rooms at once; well under SGLang's 5 s.
-FAILED_WITHIN_S = 2.5
+# -ext concludes refused rooms at once: decode must end them Failed before SGLang's 5 s bound
+# could (a room that ends before it was told; one that waits it out takes >= 5 s). 1 s of margin,
+# not half the bound: a loaded CI leg (0.5.17) once took 2.8 s to tell decode.
+FAILED_WITHIN_S = TIMEOUTS.sglang_waiting_s - 1.0
 HEAD_DIM = 8  # bf16: 16 bytes per head per token
 PREFILL_HOOK = "raise_in_registration"
 DECODE_MANAGER_HOOK = "raise_on_status_success"
