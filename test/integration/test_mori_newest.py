@@ -171,7 +171,7 @@ def test_prefill_transfer_message_fault_fails_the_room_on_both_sides():
     ext = run_scenario(f12.transfer_fault(), "mori-ext", extra_env=f12.transfer_fault_env())
     # F12's class, or F3's on 0.5.12.x (it carries the same handling).
     assert ext.prefill_manager == ext.decode_manager, ext.describe(logs=False)
-    assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori.conn"), ext.describe(logs=False)
+    assert ext.prefill_manager.startswith("sglang_disagg_ext.backends.mori."), ext.describe(logs=False)
     assert f12.transfer_fault_handled(ext), ext.describe(logs=False)
     assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_thread_recoveries_total",
                                 role="prefill", thread="bootstrap") == 1.0, ext.plugin_metrics
@@ -218,7 +218,7 @@ def conn_modules():
         sys.path.remove(STANDIN)
         for name in list(sys.modules):
             if name == "mori" or name.startswith("mori.") or name.startswith("sglang.srt.disaggregation.mori") \
-                    or name.startswith("sglang_disagg_ext.backends.mori.conn"):
+                    or name.startswith("sglang_disagg_ext.backends.mori"):
                 del sys.modules[name]
         importlib.invalidate_caches()
 
