@@ -36,13 +36,13 @@ def _check_routing(tiny_model_dir, backend):
             "--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu",
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
         ],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True, text=True, timeout=540, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_launcher_routes_in_spawned_children_without_editing_sglang(tiny_model_dir, policy):
     before = _sglang_tree_digest()
     report = _check_routing(tiny_model_dir, "mooncake-ext")
@@ -58,7 +58,7 @@ def test_launcher_routes_in_spawned_children_without_editing_sglang(tiny_model_d
     assert _sglang_tree_digest() == before
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_launcher_with_stock_name_keeps_stock_classes(tiny_model_dir):
     report = _check_routing(tiny_model_dir, "mooncake")
     for where in ("launcher", "spawned_child"):
