@@ -4,10 +4,12 @@
     sglang-disagg-ext gsm8k --url http://127.0.0.1:8000 --data-path test.jsonl \\
         --colocated-model-path /models/Llama-3.1-8B-Instruct --colocated-base-gpu-id 2
 
-The evaluation is the installed release's ``sglang.test.few_shot_gsm8k`` (every
-release from 0.5.10.post1 to 0.5.23 ships it), or ``sglang.test.run_eval
---eval-name gsm8k`` where it is missing. It runs as a child process and its
-printed metrics are parsed: accuracy, invalid rate, latency, output throughput.
+The evaluation is SGLang's own: the installed release's
+``sglang.test.few_shot_gsm8k.run_eval`` (read in the 0.5.10.post1, 0.5.11,
+0.5.12.post1, 0.5.16 and 0.5.23 wheels), called in a child process (SGLang's import and its global backend stay out of
+this one, and a timeout can stop it) that writes the metrics dict ``run_eval`` returns
+as JSON: accuracy, invalid rate, latency, output throughput. Nothing is parsed from
+printed text.
 With ``--colocated-url`` (a running server) or ``--colocated-model-path`` (this
 script starts one, waits for ``/health`` and stops it by PID afterwards) the
 same evaluation runs against a non-PD server and the difference is printed.
@@ -37,19 +39,22 @@ from typing import Dict, List, Optional
 from sglang_disagg_ext.deploy import DeployError
 
 FEW_SHOT_MODULE = "sglang.test.few_shot_gsm8k"
-RUN_EVAL_MODULE = "sglang.test.run_eval"
 
-_FEW_SHOT_PATTERNS = {
-    "accuracy": re.compile(r"^Accuracy:\s*([0-9.]+)\s*$", re.M),
-    "invalid": re.compile(r"^Invalid:\s*([0-9.]+)\s*$", re.M),
-    "latency_s": re.compile(r"^Latency:\s*([0-9.]+)\s*s\s*$", re.M),
-    "output_throughput": re.compile(r"^Output throughput:\s*([0-9.]+)\s*token/s\s*$", re.M),
-}
-_RUN_EVAL_PATTERNS = {
-    "accuracy": re.compile(r"^Score:\s*([0-9.]+)\s*$", re.M),
-    "latency_s": re.compile(r"^Total latency:\s*([0-9.]+)\s*s\s*$", re.M),
-    "output_throughput": re.compile(r"^Output throughput:\s*([0-9.]+)\s*token/s\s*$", re.M),
-}
+# The child: SGLang's evaluation function with the options its command line would give
+# (argv[1], JSON), its returned metrics written to argv[2]. The 0.5.10.post1, 0.5.11, 0.5.12.post1,
+# 0.5.16 and 0.5.23 wheels read exactly these fields in ``run_eval(args)`` (host, port, data_path, num_questions,
+# num_shots, parallel, max_new_tokens, temperature) and returns accuracy, invalid, latency
+# and output_throughput.
+_CHILD = """\
+import argparse, json, sys
+from sglang.test.few_shot_gsm8k import run_eval
+metrics = run_eval(argparse.Namespace(**json.loads(sys.argv[1])))
+with open(sys.argv[2], "w") as out:
+    json.dump({key: float(value) for key, value in dict(metrics).items()}, out)
+"""
+# run_eval's key -> ours (None where a release does not return it).
+_METRICS = {"accuracy": "accuracy", "invalid": "invalid", "latency": "latency_s",
+            "output_throughput": "output_throughput"}
 
 
 @dataclasses.dataclass
@@ -101,38 +106,31 @@ def split_url(url: str):
     return (host if parsed.scheme == "http" else f"https://{host}"), port
 
 
-def eval_command(python: str, module: str, url: str, opts: EvalOptions) -> List[str]:
-    if module == FEW_SHOT_MODULE:
-        host, port = split_url(url)
-        argv = [python, "-m", module, "--host", host, "--port", str(port),
-                "--num-questions", str(opts.num_questions), "--num-shots", str(opts.num_shots),
-                "--parallel", str(opts.parallel), "--max-new-tokens", str(opts.max_new_tokens)]
-        if opts.data_path:
-            argv += ["--data-path", opts.data_path]
-        return argv
-    if module == RUN_EVAL_MODULE:
-        argv = [python, "-m", module, "--base-url", url.rstrip("/"), "--eval-name", "gsm8k",
-                "--num-examples", str(opts.num_questions), "--num-threads", str(opts.parallel),
-                "--max-tokens", str(opts.max_new_tokens)]
-        if opts.data_path:
-            argv += ["--gsm8k-data-path", opts.data_path]
-        return argv
-    raise DeployError(f"unknown GSM8K evaluation module {module!r}")
+def eval_args(url: str, opts: EvalOptions) -> dict:
+    """The ``args`` SGLang's ``few_shot_gsm8k.run_eval`` reads, as its own command line would set them."""
+    host, port = split_url(url)
+    return {"host": host, "port": port, "data_path": opts.data_path, "num_questions": opts.num_questions,
+            "num_shots": opts.num_shots, "parallel": opts.parallel, "max_new_tokens": opts.max_new_tokens,
+            "temperature": 0.0}
 
 
-def parse_output(module: str, text: str) -> Dict[str, Optional[float]]:
-    """Metrics from the evaluation's printed lines; DeployError when a required one is missing."""
-    patterns = _FEW_SHOT_PATTERNS if module == FEW_SHOT_MODULE else _RUN_EVAL_PATTERNS
-    out: Dict[str, Optional[float]] = {"accuracy": None, "invalid": None,
-                                       "latency_s": None, "output_throughput": None}
-    for key, pattern in patterns.items():
-        found = pattern.findall(text)
-        if found:
-            out[key] = float(found[-1])
-    missing = [k for k in ("accuracy", "latency_s") if out[k] is None]
+def eval_command(python: str, url: str, opts: EvalOptions, result_path: Path) -> List[str]:
+    return [python, "-c", _CHILD, json.dumps(eval_args(url, opts)), str(result_path)]
+
+
+def read_result(result_path: Path, output: str) -> Dict[str, Optional[float]]:
+    """Our metrics from the JSON the child wrote; DeployError naming what is missing, with the
+    child's last lines, when it wrote none or lacks accuracy or latency."""
+    tail = "\n".join((output or "").splitlines()[-15:])
+    try:
+        got = json.loads(Path(result_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise DeployError(f"{FEW_SHOT_MODULE}.run_eval returned no metrics ({exc}); its output ended:\n{tail}") from None
+    out: Dict[str, Optional[float]] = {ours: got.get(theirs) for theirs, ours in _METRICS.items()}
+    missing = [theirs for theirs, ours in _METRICS.items() if ours in ("accuracy", "latency_s") and out[ours] is None]
     if missing:
-        tail = "\n".join(text.splitlines()[-15:])
-        raise DeployError(f"{module} printed no {' / '.join(missing)} line; its output ended:\n{tail}")
+        raise DeployError(f"{FEW_SHOT_MODULE}.run_eval returned no {' / '.join(missing)}; "
+                          f"it returned {sorted(got)}; its output ended:\n{tail}")
     return out
 
 
@@ -159,15 +157,15 @@ def format_table(results: Dict[str, dict], difference: Optional[dict] = None) ->
 
 # ---------------------------------------------------------------- processes and HTTP
 
-def pick_module() -> str:
-    for module in (FEW_SHOT_MODULE, RUN_EVAL_MODULE):
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return module
-        except ModuleNotFoundError:
-            break  # sglang itself is missing
-    raise DeployError(f"neither {FEW_SHOT_MODULE} nor {RUN_EVAL_MODULE} is importable in {sys.executable} "
-                      "(is SGLang installed?)")
+def check_eval_module() -> str:
+    """SGLang's evaluation module's name, or DeployError when this Python cannot import it."""
+    try:
+        if importlib.util.find_spec(FEW_SHOT_MODULE) is not None:
+            return FEW_SHOT_MODULE
+    except ModuleNotFoundError:
+        pass  # sglang itself is missing
+    raise DeployError(f"{FEW_SHOT_MODULE} is not importable in {sys.executable} (is SGLang installed? "
+                      "0.5.10.post1-0.5.23 ship it)")
 
 
 def probe(url: str, timeout: float) -> Optional[str]:
@@ -185,20 +183,23 @@ def probe(url: str, timeout: float) -> Optional[str]:
         return f"GET {target} failed: {reason}"
 
 
-def run_eval(module: str, url: str, opts: EvalOptions, workdir: Path, timeout: float,
-             label: str) -> Dict[str, Optional[float]]:
-    argv = eval_command(sys.executable, module, url, opts)
-    print(f"gsm8k: [{label}] {' '.join(argv)}", file=sys.stderr, flush=True)
-    workdir.mkdir(parents=True, exist_ok=True)  # few_shot_gsm8k writes tmp_output_gsm8k.txt to its cwd
+def run_eval(url: str, opts: EvalOptions, workdir: Path, timeout: float, label: str) -> Dict[str, Optional[float]]:
+    workdir.mkdir(parents=True, exist_ok=True)  # run_eval writes tmp_output_gsm8k.txt to its cwd
+    result_path = workdir.absolute() / "metrics.json"
+    result_path.unlink(missing_ok=True)
+    argv = eval_command(sys.executable, url, opts, result_path)
+    print(f"gsm8k: [{label}] {FEW_SHOT_MODULE}.run_eval({json.dumps(eval_args(url, opts))})",
+          file=sys.stderr, flush=True)
     try:
-        done = subprocess.run(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=None, text=True,
+        done = subprocess.run(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        raise DeployError(f"[{label}] {module} did not finish within {timeout:g} s (stopped)") from None
+        raise DeployError(f"[{label}] {FEW_SHOT_MODULE}.run_eval did not finish within {timeout:g} s (stopped)") from None
     if done.returncode != 0:
         tail = "\n".join((done.stdout or "").splitlines()[-15:])
-        raise DeployError(f"[{label}] {module} exited with code {done.returncode}; output ended:\n{tail}")
-    return parse_output(module, done.stdout)
+        raise DeployError(f"[{label}] {FEW_SHOT_MODULE}.run_eval exited with code {done.returncode}; "
+                          f"output ended:\n{tail}")
+    return read_result(result_path, done.stdout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,18 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", help="local GSM8K test.jsonl")
     p.add_argument("--allow-download", action="store_true",
                    help="without --data-path, let SGLang download GSM8K from GitHub")
-    p.add_argument("--num-questions", type=int, default=200)
-    p.add_argument("--num-shots", type=int, default=5)
-    p.add_argument("--parallel", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--num-questions", type=int, default=200,
+                   help="questions evaluated, from the start of the file (default 200)")
+    p.add_argument("--num-shots", type=int, default=5,
+                   help="worked examples (the file's first questions, with answers) before each question (default 5)")
+    p.add_argument("--parallel", type=int, default=128, help="requests in flight at once (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per answer at most (default 512)")
     colo = p.add_mutually_exclusive_group()
     colo.add_argument("--colocated-url", help="also evaluate this running non-PD server")
     colo.add_argument("--colocated-model-path", help="start a non-PD server of this model, evaluate it, stop it")
-    p.add_argument("--colocated-tp", type=int, default=1)
-    p.add_argument("--colocated-base-gpu-id", type=int, default=0)
+    p.add_argument("--colocated-tp", type=int, default=1, help="tensor parallel size of the started server (default 1)")
+    p.add_argument("--colocated-base-gpu-id", type=int, default=0, help="first GPU of the started server (default 0)")
     p.add_argument("--colocated-port", type=int, default=None, help="default: a free port")
     p.add_argument("--colocated-args", default="", help="extra server arguments (one shell-quoted string)")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help="pass --trust-remote-code to the started server")
     p.add_argument("--health-timeout", type=float, default=900.0,
                    help="seconds to wait for a started colocated server's /health")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per evaluation run")
@@ -282,7 +285,6 @@ def main(argv=None) -> int:
         else:
             url = args.url
         split_url(url)
-        module = pick_module()
         deadline = time.monotonic() + args.connect_timeout
         reason = probe(url, timeout=args.connect_timeout)
         if reason:
@@ -293,6 +295,9 @@ def main(argv=None) -> int:
             reason = probe(args.colocated_url, timeout=max(1.0, deadline - time.monotonic()))
             if reason:
                 raise DeployError(f"no SGLang server answers at --colocated-url {args.colocated_url} ({reason})")
+        # After the servers answer: finding the module imports SGLang (seconds of CPU), and
+        # "no server" should be told at once.
+        module = check_eval_module()
     except DeployError as exc:
         _err(str(exc))
         return 2
@@ -301,14 +306,14 @@ def main(argv=None) -> int:
     results: Dict[str, dict] = {}
     launcher = None
     try:
-        results["pd"] = run_eval(module, url, opts, run_dir / "gsm8k-pd", args.timeout, "pd")
+        results["pd"] = run_eval(url, opts, run_dir / "gsm8k-pd", args.timeout, "pd")
         colo_url = args.colocated_url
         if args.colocated_model_path:
             # its own run.json: run_dir may be a PD run folder whose record must stay intact
             launcher, colo_url = _start_colocated(args, run_dir / "colocated")
             launcher.wait_healthy(["colocated"], timeout=args.health_timeout, progress=_err)
         if colo_url:
-            results["colocated"] = run_eval(module, colo_url, opts, run_dir / "gsm8k-colocated",
+            results["colocated"] = run_eval(colo_url, opts, run_dir / "gsm8k-colocated",
                                             args.timeout, "colocated")
     except DeployError as exc:
         _err(str(exc))

@@ -1,6 +1,6 @@
-"""scripts/gsm8k.py: data-file checks, output parsing, failure paths, PD vs colocated comparison.
+"""scripts/gsm8k.py: data-file checks, reading run_eval's metrics, failure paths, PD vs colocated comparison.
 
-The end-to-end comparison runs SGLang's real ``sglang.test.few_shot_gsm8k``
+The end-to-end comparison runs SGLang's real ``sglang.test.few_shot_gsm8k.run_eval``
 against two stand-in servers (``test/support/sglang_standin``, real HTTP server
 processes): a real SGLang server cannot run on this CPU-only machine. Expected
 metrics are counted by hand from the canned answers.
@@ -23,15 +23,6 @@ from sglang_disagg_ext.deploy.procs import Launcher, free_ports
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "gsm8k.py")
 STANDIN_DIR = str(ROOT / "test" / "support" / "sglang_standin")
-
-FEW_SHOT_OUTPUT = """\
-100%|##########| 200/200 [00:31<00:00,  6.40it/s]
-Accuracy: 0.765
-Invalid: 0.005
-Latency: 31.250 s
-Output throughput: 1234.567 token/s
-"""
-
 
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -57,39 +48,42 @@ def test_data_file_is_checked_line_by_line(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_few_shot_output_is_parsed():
-    assert gsm8k.parse_output(gsm8k.FEW_SHOT_MODULE, FEW_SHOT_OUTPUT) == {
+def test_run_evals_returned_metrics_are_read(tmp_path):
+    # The child writes run_eval's returned dict as JSON (numpy floats made floats).
+    result = tmp_path / "metrics.json"
+    result.write_text(json.dumps({"accuracy": 0.765, "invalid": 0.005, "latency": 31.25, "output_throughput": 1234.567}))
+    assert gsm8k.read_result(result, "") == {
         "accuracy": 0.765, "invalid": 0.005, "latency_s": 31.25, "output_throughput": 1234.567}
+    result.write_text(json.dumps({"accuracy": 0.5, "latency": 2.0}))
+    assert gsm8k.read_result(result, "") == {"accuracy": 0.5, "invalid": None, "latency_s": 2.0,
+                                             "output_throughput": None}
 
 
 @pytest.mark.timeout(30)
-def test_run_eval_output_is_parsed_without_invalid_rate():
-    text = "Total latency: 12.500 s\nScore: 0.810\nOutput throughput: 99.000 token/s\n"
-    assert gsm8k.parse_output(gsm8k.RUN_EVAL_MODULE, text) == {
-        "accuracy": 0.81, "invalid": None, "latency_s": 12.5, "output_throughput": 99.0}
-
-
-@pytest.mark.timeout(30)
-def test_output_without_accuracy_is_an_error_showing_the_tail():
+def test_no_metrics_is_an_error_showing_the_tail(tmp_path):
     with pytest.raises(DeployError) as err:
-        gsm8k.parse_output(gsm8k.FEW_SHOT_MODULE, "Traceback (most recent call last):\nConnectionError: boom\n")
-    assert "printed no accuracy / latency_s line" in str(err.value)
-    assert "ConnectionError: boom" in str(err.value)
+        gsm8k.read_result(tmp_path / "absent.json", "Traceback (most recent call last):\nConnectionError: boom\n")
+    assert "run_eval returned no metrics" in str(err.value) and "ConnectionError: boom" in str(err.value)
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"invalid": 0.0}))
+    with pytest.raises(DeployError, match=r"returned no accuracy / latency; it returned \['invalid'\]"):
+        gsm8k.read_result(partial, "")
 
 
 @pytest.mark.timeout(30)
-def test_eval_commands():
+def test_eval_command_calls_sglangs_run_eval_with_its_own_options(tmp_path):
     o = gsm8k.EvalOptions("/data/test.jsonl", num_questions=50, num_shots=3, parallel=8, max_new_tokens=256)
-    assert gsm8k.eval_command("py", gsm8k.FEW_SHOT_MODULE, "http://10.0.0.5:8000", o) == [
-        "py", "-m", "sglang.test.few_shot_gsm8k", "--host", "10.0.0.5", "--port", "8000",
-        "--num-questions", "50", "--num-shots", "3", "--parallel", "8", "--max-new-tokens", "256",
-        "--data-path", "/data/test.jsonl"]
-    assert gsm8k.eval_command("py", gsm8k.FEW_SHOT_MODULE, "https://lb.example:443/", o)[3:7] == [
-        "--host", "https://lb.example", "--port", "443"]
-    assert gsm8k.eval_command("py", gsm8k.RUN_EVAL_MODULE, "http://[::1]:8000/", o) == [
-        "py", "-m", "sglang.test.run_eval", "--base-url", "http://[::1]:8000", "--eval-name", "gsm8k",
-        "--num-examples", "50", "--num-threads", "8", "--max-tokens", "256",
-        "--gsm8k-data-path", "/data/test.jsonl"]
+    argv = gsm8k.eval_command("py", "http://10.0.0.5:8000", o, tmp_path / "m.json")
+    assert argv[:2] == ["py", "-c"] and argv[4] == str(tmp_path / "m.json")
+    assert "from sglang.test.few_shot_gsm8k import run_eval" in argv[2]
+    # Every field few_shot_gsm8k's run_eval reads, as `python -m sglang.test.few_shot_gsm8k
+    # --host 10.0.0.5 --port 8000 --num-questions 50 --num-shots 3 --parallel 8
+    # --max-new-tokens 256 --data-path /data/test.jsonl` sets them.
+    assert json.loads(argv[3]) == {"host": "10.0.0.5", "port": 8000, "data_path": "/data/test.jsonl",
+                                   "num_questions": 50, "num_shots": 3, "parallel": 8,
+                                   "max_new_tokens": 256, "temperature": 0.0}
+    assert gsm8k.eval_args("https://lb.example:443/", o)["host"] == "https://lb.example"
+    assert gsm8k.eval_args("http://[::1]:8001", o)["host"] == "[::1]"
     with pytest.raises(DeployError, match="is not an http"):
         gsm8k.split_url("127.0.0.1:8000")
 
@@ -187,4 +181,4 @@ def test_pd_vs_colocated_difference_through_sglang_few_shot(tmp_path):
     assert lines[2].split()[:3] == ["pd", "0.750", "0.000"]
     assert lines[3].split()[:3] == ["colocated", "1.000", "0.000"]
     assert lines[4].split()[:5] == ["pd", "-", "colo", "-0.250", "0.000"]
-    assert (tmp_path / "runs").is_dir()  # few_shot_gsm8k's dump went to the run folder, not the cwd root
+    assert (tmp_path / "runs").is_dir()  # run_eval's dump went to the run folder, not the cwd root
