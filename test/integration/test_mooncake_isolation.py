@@ -16,11 +16,14 @@ stock tests skip ("n/a"): there ``mooncake-ext`` adds nothing to the patched cod
 below runs SGLang's own ``mooncake`` through the same scenarios instead.
 """
 
+import os
+import signal
+
 import pytest
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario
+from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, Timeouts
 from sglang_disagg_ext.selftest.scenarios.isolation import (
     DROPPED_WRITE,
     REFUSALS,
@@ -170,3 +173,85 @@ def test_patched_sglang_fails_the_bad_request_and_serves_the_rest(builtin):
     bad_log = stock.requests[0].prefill_log
     assert any(PATCHED_REFUSED_LINE in x and want in x for x in bad_log), bad_log
     assert no_session_marked, stock.describe()
+
+
+DEAD_DECODE_HOOK = os.path.join(os.path.dirname(__file__), "..", "support", "dead_decode.py")
+# Both rooms bootstrapped (decode's metadata for both at prefill) in one wave before the first
+# is sent; test/support/dead_decode.py kills decode as room 1000 is handed to the manager and
+# holds room 1001 until prefill has its verdict on the session.
+DEAD_DECODE = Scenario(
+    name="decode dead before the write, then a second room",
+    requests=[RequestSpec([1, 2], [3, 4], aux_index=0, dst_aux_index=0),
+              RequestSpec([3], [5], aux_index=1, dst_aux_index=1)],
+    kv=KVPoolSpec(num_pages=8),
+    wave=2,
+    # decode_gone_s: prefill's verdict on the dead session comes after decode is gone; on a
+    # loaded machine it may take longer than the harness's default 3 s.
+    timeouts=Timeouts(request_s=10, decode_gone_s=20.0),
+)
+PROBE_DEAD_LINE = "failed a transfer and its probe (rc="
+PROBE_DEAD_TAIL = "marked failed, as stock marks it"
+
+
+def _dead_decode_problem(result):
+    """None when decode died (SIGKILL, by the hook) before prefill's engine write of room 1000,
+    that write failed for real, prefill marked decode's session failed (stock's "Session ...
+    failed." line) and room 1001 then failed on the blacklist without reaching the engine."""
+    if result.error:
+        return f"run error: {result.error}"
+    hook = result.prefill_hook_reports.get("prefill") or {}
+    session = hook.get("session")
+    if hook.get("error") or not hook.get("killed"):
+        return f"the hook did not kill decode: {hook}"
+    if hook.get("decode_pid") != result.pids.get("decode") or result.exit_codes.get("decode") != -signal.SIGKILL:
+        return f"decode PID {result.pids.get('decode')} exit {result.exit_codes.get('decode')}, hook killed {hook}"
+    if hook.get("engine_calls_to_session_before_later_rooms", 0) < 1:
+        return f"room 1000 never reached the engine after decode died: {hook}"
+    if hook.get("verdict") != "marked failed" or hook.get("later_rooms") != [1001]:
+        return f"prefill's verdict on session {session}: {hook.get('verdict')!r}, later rooms {hook.get('later_rooms')}"
+    if hook.get("engine_calls_to_session_after_later_rooms") != 0:
+        return f"room 1001 reached the engine of a session marked failed: {hook}"
+    if not any(f"Session {session} failed." in x for x in hook.get("session_log", [])):
+        return f"no \"Session {session} failed.\" line: {hook.get('session_log')}"
+    first, second = result.requests
+    engine_failure = "Failed to send kv chunk of 1000"
+    if first.prefill_status != "Failed" or engine_failure not in (first.prefill_failure_reason or ""):
+        return f"room 1000: prefill {first.prefill_status} {first.prefill_failure_reason!r}, not the engine failure"
+    want = f"Decode instance could be dead, remote mooncake session {session} is not alive"
+    if second.prefill_status != "Failed" or second.prefill_failure_reason != want:
+        return f"room 1001: prefill {second.prefill_status} {second.prefill_failure_reason!r}, not {want!r}"
+    if first.decode_status is not None or second.decode_status is not None:
+        return "decode recorded a final state after it was killed"
+    return None
+
+
+@pytest.mark.skipif(not LIVE and not PATCHED, reason=f"n/a: F6 is not live on SGLang {POLICY.version}, so "
+                    "mooncake-ext is not F6's classes here")
+@pytest.mark.timeout(300)
+def test_dead_decode_is_blacklisted_as_stock_does():
+    """A peer that is really gone: decode is SIGKILLed (``test/support/dead_decode.py``) before
+    prefill's engine writes room 1000 to it, and its session port refuses connections, so that
+    write fails for real. Stock: the transfer thread marks the session failed after the one
+    failure. Ext: the session is probed first, the probe fails, and it is marked failed as stock
+    marks it (log line, ``session_probes_total{fix="F6",result="dead"}``). Both: room 1001, to the
+    same session, fails on the blacklist ("... is not alive") without an engine call. On sources
+    carrying patches/'s F6 diff, SGLang's own ``mooncake`` probes (synchronously) and must end
+    the same way; ``mooncake-ext`` adds nothing there and is not run."""
+    env = {"SGLANG_HARNESS_PREFILL_HOOK": f"{os.path.abspath(DEAD_DECODE_HOOK)}:kill_decode_before_transfer"}
+    stock = run_scenario(DEAD_DECODE, "mooncake", extra_env=env)
+    assert stock.prefill_manager.startswith("sglang.srt.disaggregation.mooncake.conn."), stock.describe()
+    problem = _dead_decode_problem(stock)
+    assert problem is None, f"stock: {problem}\n{stock.describe()}\n{stock.prefill_hook_reports}"
+    if PATCHED:
+        return
+
+    ext = run_scenario(DEAD_DECODE, "mooncake-ext", extra_env=env)
+    assert ext.prefill_manager.startswith("sglang_disagg_ext."), ext.describe()
+    problem = _dead_decode_problem(ext)
+    assert problem is None, f"ext: {problem}\n{ext.describe()}\n{ext.prefill_hook_reports}"
+    log = ext.prefill_hook_reports["prefill"]["session_log"]
+    assert any(PROBE_DEAD_LINE in x and PROBE_DEAD_TAIL in x for x in log), log
+    metrics = ext.plugin_metrics["prefill"]
+    probes = "sglang_disagg_ext_session_probes_total"
+    assert plugin_metrics.value(metrics, probes, fix="F6", result="dead") == 1.0, metrics
+    assert plugin_metrics.value(metrics, probes, fix="F6", result="alive") == 0.0, metrics

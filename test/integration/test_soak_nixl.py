@@ -15,9 +15,15 @@ in *some* region the peer registered, so what stock does depends on the address 
 measured on this rig, 0.5.10.post1 wrote the bad pages into the next registered buffer
 (both sides Success, valid requests' pages overwritten), 0.5.11's ``send`` raised
 ``NIXL_ERR_NOT_FOUND`` into its caller, 0.5.12.post1 failed them with NIXL's error name.
-No stock assertion is made: a stock run that happens to fail cleanly proves nothing
-either way (an audit of the remote descriptors stock builds would make it deterministic;
-not built yet). On 0.5.23 NIXL itself refuses the index (``NIXL_ERR_INVALID_PARAM``).
+The soak makes no stock assertion: a stock run that happens to fail cleanly proves
+nothing either way. What does not depend on the layout is the descriptor stock builds,
+and test_out_of_pool_index_stock_aims_outside_decode_pool_ext_never asserts that: prefill's
+agent records every remote descriptor it is asked to write (``test/support/xfer_audit.py``),
+and against decode's KV pool ranges derived by hand (the pointers decode registered x the
+scenario's 192 pages x 256 bytes) stock aims each bad page past the end of every K and V
+buffer, one of them past every KV buffer decode registered, while ``nixl-ext`` builds no
+descriptor outside decode's pools at all. On 0.5.23 NIXL itself refuses the index
+(``NIXL_ERR_INVALID_PARAM``).
 
 Replaced: on releases where ``nixl-ext`` is stock for memory registration (F4 not live)
 the rig's host-memory shim lets NIXL register the CPU pools (``harness/nixl_shim.py``;
@@ -33,6 +39,8 @@ room of the killed wave within the bound and serves the new decode.
 """
 
 import dataclasses
+import json
+import os
 
 import pytest
 
@@ -70,6 +78,126 @@ def test_nixl_ext_soak_fails_exactly_the_bad_requests():
         want = [d for d in scn.requests[i].dst_kv_pages if d >= 768][0]
         for reason in (rr.prefill_failure_reason, rr.decode_failure_reason):
             assert f"kv: destination index {want} " in reason and "outside decode's pool of 768 pages" in reason, reason
+
+
+AUDIT_HOOK = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "xfer_audit.py")
+
+
+def _audited_run(backend: str, scn, out: str):
+    """``scn`` through ``backend`` with prefill's NIXL agent recording every remote descriptor
+    it is asked to write (``test/support/xfer_audit.py``); the run and the recorded lines."""
+    env = dict(soak.soak_env(backend) or {})
+    env.update({"SGLANG_HARNESS_PREFILL_HOOK": f"{AUDIT_HOOK}:record_remote_descs", "SGLANG_HARNESS_XFER_AUDIT": out})
+    res = run_scenario(scn, backend, extra_env=env)
+    with open(out) as f:
+        return res, [json.loads(line) for line in f]
+
+
+def _decode_regions(peer: dict, kv_pages: int, aux_rows: int, state_pages: int) -> dict:
+    """Decode's registered pools as address ranges, by hand: each buffer pointer decode sent
+    in its registration, times the pool's page (row) count from the scenario, times the item
+    length (KV: decode's own, from its registration; aux and state: prefill's, the same pools)."""
+    def ranges(ptrs, item_lens, n):
+        assert len(ptrs) == len(item_lens), (ptrs, item_lens)
+        return [(p, p + n * il) for p, il in zip(ptrs, item_lens)]
+
+    kv = peer["dst_kv_ptrs"]
+    return {
+        "kv": ranges(kv, [peer["dst_kv_item_len"]] * len(kv), kv_pages),
+        "aux": ranges(peer["dst_aux_ptrs"], peer["aux_item_lens"], aux_rows),
+        "state": ranges(peer["dst_state_ptrs"], peer["state_item_lens"], state_pages),
+    }
+
+
+def _outside(desc, ranges) -> bool:
+    addr, n = desc
+    return not any(lo <= addr and addr + n <= hi for lo, hi in ranges)
+
+
+@pytest.mark.skipif(not _f4_classes_routed(), reason=f"n/a on SGLang {POLICY.version}: nixl-ext is not F4's "
+                    "classes here, and only F4's classes bound a NIXL decode index (the differential is F4's)")
+@pytest.mark.timeout(150)
+def test_out_of_pool_index_stock_aims_outside_decode_pool_ext_never(tmp_path):
+    """The remote descriptors behind an out-of-pool decode KV index, stock ``nixl`` vs
+    ``nixl-ext``: 16 requests, 8 in flight, two of the first wave (rooms 1002, 1004) with
+    a decode KV index past decode's pool of 192 pages. Prefill's agent records every
+    remote (decode-side) descriptor it is asked to write (``test/support/xfer_audit.py``),
+    before NIXL checks it.
+
+    What NIXL then does with stock's descriptor depends on the address layout (NIXL only
+    checks that it lies in *some* region the peer registered): the page lands in the next
+    registered buffer with Success on both sides, or NIXL refuses it and the error reaches
+    the caller or fails the room (the module docstring). The descriptor itself does not:
+    stock builds, for each bad room, a write of the bad page in every K and V buffer of
+    decode, each past its buffer's end, and the one in the highest buffer past every KV
+    buffer decode registered. ``-ext`` builds none: every descriptor of the run lies inside
+    the decode pool its tag names, the bad rooms end Failed on both sides naming the index
+    and pool size, every other room Success with every byte right."""
+    cfg = soak.SoakConfig(requests=16, wave=8, fault_rate=0.0, bad_rate=1 / 4, seed=0, restart_decode=False)
+    scn = soak.make_scenario(cfg, name="audit-nixl", engine="nixl")
+    # By hand: 8 slots x 6 pages = 48, both sides' pool 4 x 48 = 192 pages (soak.make_scenario);
+    # a KV page is page_size 4 x 2 heads x 16 dims x 2 bytes (bf16) = 256 bytes; aux: one row
+    # a slot (8); SWA state: 2 pages a slot (16).
+    kv_pages, item_len, aux_rows, state_pages = 192, 256, 8, 16
+    assert (scn.kv.num_pages, scn.aux_rows, scn.state_pools[0].num_pages) == (kv_pages, aux_rows, state_pages)
+    bad = {1000 + i: [d for d in r.dst_kv_pages if d >= kv_pages][0]
+           for i, r in enumerate(scn.requests) if r.fault == "bad_index"}
+    assert bad == {1002: 233, 1004: 225}, bad
+
+    # Stock's outcome is not judged, only its descriptors: shorter bounds (a room NIXL
+    # refuses stays WaitingForInput on prefill until the wave bound) keep the run short.
+    stock_scn = dataclasses.replace(scn, timeouts=dataclasses.replace(scn.timeouts, request_s=10.0))
+    runs = {b: _audited_run(b, s, str(tmp_path / f"{b}.jsonl")) for b, s in (("nixl", stock_scn), ("nixl-ext", scn))}
+
+    def audit(backend):
+        """Per room: its KV descriptors outside decode's KV pool, and (every kind) outside
+        the decode pool its tag names; the KV page ranges of decode's buffers."""
+        res, lines = runs[backend]
+        peers = [line for line in lines if line["op"] == "peer"]
+        assert len(peers) == 1 and peers[0]["dst_kv_item_len"] == item_len, peers
+        regions = _decode_regions(peers[0], kv_pages, aux_rows, state_pages)
+        posts = [line for line in lines if line["op"] != "peer"]
+        # On these releases every write goes through initialize_xfer; a prepared list
+        # would be a path this audit does not attribute to a room.
+        assert posts and all(line["op"] == "initialize_xfer" for line in posts), {line["op"] for line in posts}
+        kv_out, any_out, kv_descs = {}, {}, {}
+        for line in posts:
+            room, kind = line["tag"].split("_")[:2]
+            assert kind in regions, line["tag"]
+            room = int(room)
+            if kind == "kv":
+                kv_descs.setdefault(room, []).extend(line["remote"])
+                kv_out.setdefault(room, []).extend(d for d in line["remote"] if _outside(d, regions["kv"]))
+            any_out.setdefault(room, []).extend(d for d in line["remote"] if _outside(d, regions[kind]))
+        return res, regions, kv_descs, {r: d for r, d in kv_out.items() if d}, {r: d for r, d in any_out.items() if d}
+
+    res, regions, kv_descs, kv_out, any_out = audit("nixl")
+    for room, want in bad.items():
+        # The bad page, aimed in each of decode's K and V buffers: past that buffer's end
+        # (want >= 192), so whatever it hits is not the room's page; the highest buffer's
+        # lies past every KV buffer, whatever the layout.
+        aims = [lo + want * item_len for lo, _ in regions["kv"]]
+        for a in aims:
+            assert any(d[0] <= a and a + item_len <= d[0] + d[1] for d in kv_descs.get(room, [])), (
+                room, want, a, kv_descs.get(room))
+        assert kv_out.get(room), (room, want, regions["kv"], kv_descs.get(room))
+    assert set(kv_out) == set(bad), kv_out  # valid rooms' descriptors lie inside the pool
+
+    res, regions, kv_descs, kv_out, any_out = audit("nixl-ext")
+    assert not any_out and not kv_out, any_out  # no descriptor outside decode's pools, any room
+    assert not set(bad) & set(kv_descs), {r: kv_descs[r] for r in set(bad) & set(kv_descs)}
+    assert len(kv_descs) == cfg.requests - len(bad), sorted(kv_descs)
+    s = soak.judge(scn, res)
+    assert s["passed"], soak.format_summaries([s])
+    assert s["outcomes"]["failed_as_faulted"] == len(bad) and s["outcomes"]["ok"] == cfg.requests - len(bad)
+    for rr in res.requests:
+        if rr.room not in bad:
+            assert rr.ok and rr.bytes_verified and not rr.mismatches, res.describe()
+            continue
+        assert (rr.prefill_status, rr.decode_status) == ("Failed", "Failed"), res.describe()
+        for reason in (rr.prefill_failure_reason, rr.decode_failure_reason):
+            assert f"kv: destination index {bad[rr.room]} " in reason, reason
+            assert "outside decode's pool of 192 pages" in reason, reason
 
 
 @pytest.mark.skipif(not _f4_classes_routed(), reason=f"n/a on SGLang {POLICY.version}: nixl-ext is not F4's "

@@ -128,6 +128,8 @@ class ScenarioResult:
     waves: Dict[str, List[Dict[str, Any]]] = dataclasses.field(default_factory=dict)
     threads_died: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
     dropped_writes: Optional[Dict[str, Any]] = None
+    # Per prefill worker: what its test hook reported (``worker._run_prefill_hook``), where it reports.
+    prefill_hook_reports: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -467,8 +469,8 @@ def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn:
 
     * a worker died in setup (no result, or an error before any request): the
       others would wait for it; 3 s;
-    * every decode gone while a prefill runs: nobody consumes prefill's work; 3 s
-      (``MISMATCH_NOTICE_WAIT_S`` + 3 s once its requests are done: it may be counting
+    * every decode gone while a prefill runs: nobody consumes prefill's work;
+      ``Timeouts.decode_gone_s`` (3 s by default; ``MISMATCH_NOTICE_WAIT_S`` + 3 s once its requests are done: it may be counting
       decode's mismatch notices, and exits by itself);
     * every prefill gone while a decode runs: decode can still finish what is
       in flight, so it gets SGLang's waiting timeout plus a margin (3 s when
@@ -502,7 +504,7 @@ def _wait_children(children: Dict[str, Any], run_dir: str, deadline: float, scn:
             # One still in its requests gets the short grace, as before.
             counting = all((_read_json(os.path.join(run_dir, f"{n}.json")) or {}).get("done")
                            for n in by_role["prefill"] if states[n] is None)
-            grace = MISMATCH_NOTICE_WAIT_S + 3.0 if counting else 3.0
+            grace = MISMATCH_NOTICE_WAIT_S + 3.0 if counting else scn.timeouts.decode_gone_s
             if now - max(gone_since[n] for n in by_role["decode"]) > grace:
                 return
         if not alive["prefill"] and alive["decode"]:
@@ -586,6 +588,8 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.waves.update({name: side[name]["waves"] for name in names if "waves" in side[name]})
     result.threads_died.update({name: side[name]["threads_died"] for name in names if "threads_died" in side[name]})
     result.dropped_writes = _merge_fault_reports([side[n].get("dropped_writes") for n in prefills])
+    result.prefill_hook_reports = {n: side[n]["prefill_hook_report"] for n in prefills
+                                   if "prefill_hook_report" in side[n]}
     kv_args = p0.get("kv_args") or d0.get("kv_args") or {}
     result.state_layout = kv_args.get("state_layout")
     result.state_types = kv_args.get("state_types", [])

@@ -164,6 +164,11 @@ class Timeouts:
     sglang_bootstrap_s: float = 8.0
     heartbeat_interval_s: float = 5.0
     heartbeat_max_failure: int = 6
+    # How long a prefill still in its requests may run once every decode is gone
+    # (``run._wait_children``): nobody consumes its work, so only what it does about the
+    # dead peer can still happen. A scenario that tests exactly that gives it longer;
+    # prefill exits by itself when its rooms conclude, so a long bound costs nothing.
+    decode_gone_s: float = 3.0
 
 
 @dataclasses.dataclass

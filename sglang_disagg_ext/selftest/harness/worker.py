@@ -122,6 +122,8 @@ class Worker:
     def write_result(self) -> None:
         if getattr(self, "dropped", None) is not None:
             self.result["dropped_writes"] = self.dropped.report()
+        if getattr(self, "prefill_hook_state", None) is not None:
+            self.result["prefill_hook_report"] = self.prefill_hook_state.report()
         self.result["thread_errors"] = [m for _, m in self.thread_errors.items][:20]
         self.result["plugin_log"] = [m for _, m in self.plugin_log.lines if m.startswith("INFO ")][:20]
         self.result["plugin_metrics"] = _plugin_metrics_text()
@@ -554,11 +556,15 @@ class Worker:
         """``SGLANG_HARNESS_PREFILL_HOOK=<file.py>:<function>``: call ``function(manager)``
         once, right after the prefill manager exists and before any request. Tests
         use it to inject a fault into one manager method (``test/support/``);
-        nothing in the package sets it."""
+        nothing in the package sets it. A hook may return an object with a
+        ``report()`` dict: it is written with each result (``prefill_hook_report``),
+        for what the hook saw that the requests' records cannot say."""
         hook = _load_hook(PREFILL_HOOK_ENV)
         if hook is not None:
             self.result["prefill_hook"] = os.environ[PREFILL_HOOK_ENV]
-            hook(self.mgr)
+            state = hook(self.mgr)
+            if callable(getattr(state, "report", None)):
+                self.prefill_hook_state = state
 
     def _run_decode_manager_hook(self) -> None:
         """``SGLANG_HARNESS_DECODE_MANAGER_HOOK=<file.py>:<function>``: as the prefill hook,
