@@ -32,7 +32,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "test" / "support"))
+# cpu_servers (test/support) imports its neighbours as ``support.*``: both folders on the path.
+sys.path[:0] = [str(ROOT / "test" / "support"), str(ROOT / "test")]
 
 from bench.stats import interleaved_order, paired_ratios  # noqa: E402
 

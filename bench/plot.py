@@ -1,7 +1,9 @@
 """How the transfer figures grow, as a PNG (matplotlib, no display).
 
-Top row: transfer time against tokens per request and against concurrency, and
-the state path against the raw engine. Bottom row: the CPU the plugin adds per
+Top row: what the README claims, as ratios with their quartiles: ext/stock transfer
+time against tokens per request (with the verified transfers' cost over unverified
+ones at the sizes measured) and against concurrency, on a linear axis around 1 with
+the 1.02 target; and the state path against the raw engine. Bottom row: the CPU the plugin adds per
 request (thread CPU time, engine excluded) against the same two axes, and as a
 share of the transfer's time, with the 2 % target."""
 
@@ -11,7 +13,7 @@ from typing import Any, Dict, List, Sequence
 
 
 def growth_png(transfer_rows: Sequence[Dict[str, Any]], goodput_rows: Sequence[Dict[str, Any]], path: str,
-               title: str) -> str:
+               title: str, verified_rows: Sequence[Dict[str, Any]] = ()) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,34 +21,47 @@ def growth_png(transfer_rows: Sequence[Dict[str, Any]], goodput_rows: Sequence[D
 
     fig, grid = plt.subplots(2, 3, figsize=(16, 10))
     axes = grid[0]
-    styles = {("stock", False): ("tab:blue", "o", "-"), ("ext", False): ("tab:orange", "s", "--"),
-              ("stock", True): ("tab:green", "o", "-"), ("ext", True): ("tab:red", "s", "--")}
+    colors = {False: "tab:orange", True: "tab:red"}
 
-    def series(rows: List[Dict[str, Any]], x_key: str, ax, x_label: str) -> None:
+    def ratios(rows: List[Dict[str, Any]], x_key: str, ax, x_label: str, offset: float) -> None:
+        # Medians of paired ratios with their quartiles (the spread noise gives them), one
+        # series per payload, nudged apart on x so overlapping bars stay readable.
         for with_state in (False, True):
             pts = sorted((r for r in rows if r["with_state"] == with_state), key=lambda r: r[x_key])
             if not pts:
                 continue
-            label_state = "KV + " + "+".join(pts[0]["state_components"]) if with_state else "KV only"
-            for variant in ("stock", "ext"):
-                color, marker, line = styles[(variant, with_state)]
-                ax.plot([r[x_key] for r in pts], [r[f"{variant}_s"] * 1e3 for r in pts], color=color,
-                        marker=marker, linestyle=line, label=f"{variant}, {label_state}")
+            label = "ext/stock, " + ("KV + " + "+".join(pts[0]["state_components"]) if with_state else "KV only")
+            shift = offset ** (1 if with_state else -1)
+            xs = [r[x_key] * shift for r in pts]
+            med = [r["ratio"] for r in pts]
+            err = [[r["ratio"] - r["ratio_q1"] for r in pts], [r["ratio_q3"] - r["ratio"] for r in pts]]
+            ax.errorbar(xs, med, yerr=err, color=colors[with_state], marker="s", capsize=3, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.02, color="gray", linestyle=":", label="target <= 1.02")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xlabel(x_label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
 
     by_tokens = [r for r in transfer_rows if r["concurrency"] == 1]
     tokens_at = {r["tokens"] for r in transfer_rows if r["concurrency"] > 1}
     by_count = [r for r in transfer_rows if r["tokens"] in tokens_at]
-    series(by_tokens, "tokens", axes[0], "tokens per request (1 request at a time)")
-    axes[0].set_ylabel("transfer time per request [ms] (median)")
-    axes[0].set_title("time vs tokens per request")
-    series(by_count, "concurrency", axes[1], f"concurrent requests ({', '.join(map(str, sorted(tokens_at)))} tokens each)")
-    axes[1].set_ylabel("batch time / requests [ms] (median)")
-    axes[1].set_title("time vs request count")
+    ratios(by_tokens, "tokens", axes[0], "tokens per request (1 request at a time)", 1.06)
+    for r in verified_rows:
+        if "ratio_q1" not in r:
+            continue
+        axes[0].errorbar([r["tokens"] * (1.06 if r["with_state"] else 1 / 1.06)], [r["ratio"]], yerr=[[r["ratio"] - r["ratio_q1"]], [r["ratio_q3"] - r["ratio"]]],
+                         color="tab:purple", marker="D" if r["with_state"] else "o", capsize=3, linestyle="none",
+                         label=f"verified/unverified ext, {'KV + state' if r['with_state'] else 'KV only'}")
+    if verified_rows:
+        axes[0].axhline(1.10, color="tab:purple", linestyle=":", label="verified target <= 1.10")
+    axes[0].set_ylabel("time ratio per request: median [quartiles]")
+    axes[0].set_title("ext over stock (and verified over unverified) vs tokens")
+    axes[0].legend(fontsize=8)
+    ratios(by_count, "concurrency", axes[1], f"concurrent requests ({', '.join(map(str, sorted(tokens_at)))} tokens each)",
+           1.06)
+    axes[1].set_ylabel("time ratio per request: median [quartiles]")
+    axes[1].set_title("ext over stock vs request count")
+    axes[1].legend(fontsize=8)
 
     ax = axes[2]
     pts = sorted(goodput_rows, key=lambda r: r["bytes"])
@@ -107,3 +122,31 @@ def _cpu_panels(transfer_rows: Sequence[Dict[str, Any]], axes) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+
+
+def main(argv=None) -> int:
+    """Draw the PNG again from a results file (no benchmark run): ``python -m bench.plot [results.json] [out.png]``."""
+    import json
+    import os
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = args[0] if args else os.path.join(here, "results.json")
+    dst = args[1] if len(args) > 1 else os.path.join(here, "growth.png")
+    with open(src) as f:
+        out = json.load(f)
+    growth_png(out["details"]["transfer"], out["details"]["goodput"], dst, title_of(out),
+               out["details"].get("verified") or ())
+    print(dst)
+    return 0
+
+
+def title_of(out: Dict[str, Any]) -> str:
+    m = out["machine"]
+    return (f"sglang-disagg-ext transfer figures, SGLang {out['sglang']}, Mooncake TCP loopback, CPU pools; "
+            f"{m['cores']} cores {m['cpu']}; medians of interleaved pairs, bars: quartiles")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -347,12 +347,10 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
     os.replace(args.out + ".tmp", args.out)
     if args.png:
-        from bench.plot import growth_png
+        from bench.plot import growth_png, title_of
 
-        m = out["machine"]
-        growth_png(out["details"]["transfer"], out["details"]["goodput"], args.png,
-                   f"sglang-disagg-ext transfer figures, SGLang {out['sglang']}, Mooncake TCP loopback, CPU pools; "
-                   f"{m['cores']} cores {m['cpu']}; medians of interleaved repeats")
+        growth_png(out["details"]["transfer"], out["details"]["goodput"], args.png, title_of(out),
+                   out["details"].get("verified") or ())
     m = out["machine"]
     print()
     print(res.format_table(out["table"]))
