@@ -132,7 +132,7 @@ def _check_port(what: str, port) -> None:
 def validate_pd_options(opts: PDOptions) -> List[str]:
     """Raise DeployError for options that cannot work; return warnings for risky ones."""
     if not opts.model_path:
-        raise DeployError("--model-path is required (a local model folder)")
+        raise DeployError("--model-path is required (a local model folder or a Hugging Face Hub id)")
     if opts.backend not in KNOWN_BACKENDS:
         raise DeployError(
             f"unknown transfer backend {opts.backend!r}; choose one of {', '.join(KNOWN_BACKENDS)}"

@@ -1,12 +1,14 @@
 """Start a 1P1D deployment (prefill server, decode server, router) with one command, or stop it.
 
     sglang-disagg-ext launch-pd start --model-path /models/Llama-3.1-8B-Instruct [options]
+    sglang-disagg-ext launch-pd start --model-path meta-llama/Llama-3.1-8B-Instruct  # a Hub id
     sglang-disagg-ext launch-pd start --model-path ... --dry-run     # print the 3 commands
     sglang-disagg-ext launch-pd stop --run-dir runs/pd-20260101-120000-1234
 
-``start`` checks everything it can before starting anything (model folder,
-GPUs, ports, the installed SGLang release, the router), then starts prefill and
-decode, waits until both answer ``/health``, starts the router and waits for it.
+``start`` checks everything it can before starting anything (model folder, or
+a Hugging Face Hub id passed to SGLang unchanged; NVIDIA or AMD GPUs; ports; the
+installed SGLang release; the router), then starts prefill and decode, waits
+until both answer ``/health``, starts the router and waits for it.
 If a server exits or the wait runs past ``--timeout``, it says which server and
 where its log is, and stops every process it started. PIDs and logs go to the
 run folder; ``stop`` ends exactly those PIDs (and their descendants).
@@ -26,12 +28,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import shlex
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sglang_disagg_ext.deploy import DeployError
 from sglang_disagg_ext.deploy import commands as cmds
@@ -58,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("start", help="start prefill, decode and router; wait until all answer /health")
-    p.add_argument("--model-path", required=True, help="local model folder (holds config.json)")
+    p.add_argument("--model-path", required=True,
+                   help="local model folder (holds config.json), or a Hugging Face Hub id (org/name) "
+                        "that SGLang fetches from the Hub")
     p.add_argument("--backend", default="mooncake-ext", choices=cmds.KNOWN_BACKENDS,
                    help="transfer backend (default mooncake-ext)")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size (default 1)")
@@ -89,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT,
                    help=f"seconds to wait for /health on all three (default {DEFAULT_HEALTH_TIMEOUT:g})")
     p.add_argument("--skip-gpu-check", action="store_true",
-                   help="start even if fewer NVIDIA GPUs are visible than the servers need")
+                   help="start even if fewer GPUs are visible (nvidia-smi, amd-smi or rocm-smi) "
+                        "than the servers need")
     p.add_argument("--device", default="cuda", choices=cmds.DEVICES,
                    help="cuda (default), or cpu: both servers on this machine's CPU with SGLang's CPU switches "
                         "(a tiny model; for trying PD before a GPU cluster; TP 1, no GPU check)")
@@ -118,10 +124,44 @@ def _split(what: str, text: str) -> List[str]:
         raise DeployError(f"{what} is not a valid shell-quoted string: {exc}") from None
 
 
+# A Hugging Face Hub repo id as huggingface_hub's validate_repo_id accepts it, with the
+# namespace required: "org/name", each part of word characters, '-' and '.', not starting or
+# ending with '-' or '.', at most 96 characters. A leading '/', '.' or '~' never matches, so
+# every path-looking argument stays a path.
+_HUB_PART = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"{_HUB_PART}/{_HUB_PART}", re.ASCII)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    return (bool(_HUB_ID.fullmatch(text)) and "--" not in text and ".." not in text
+            and not text.endswith(".git"))
+
+
+def resolve_model_arg(text: str) -> Tuple[str, bool]:
+    """(the --model-path to pass on, whether it is a Hub id).
+
+    An existing path is a local model (made absolute: the servers may not share our working
+    folder). A string that is no existing path but has the form of a Hub id goes to SGLang
+    unchanged, which downloads it (or takes it from the Hub cache), as ``sglang.launch_server``
+    does itself. Anything else is a path, and a missing one is refused by the preflight.
+    """
+    if not text:
+        return "", False
+    path = Path(text).expanduser()
+    if not path.exists() and looks_like_hub_id(text):
+        return text, True
+    return str(path.absolute()), False
+
+
+def hub_note(model: str) -> str:
+    return (f"model {model} is not a local path: passed unchanged to SGLang, which fetches it from "
+            "the Hugging Face Hub (or its local Hub cache) when the servers start")
+
+
 def options_from_args(args, ports: List[int]) -> cmds.PDOptions:
     both = _split("--server-args", args.server_args)
     return cmds.PDOptions(
-        model_path=str(Path(args.model_path).expanduser().absolute()) if args.model_path else "",
+        model_path=resolve_model_arg(args.model_path)[0],
         prefill_port=ports[0],
         decode_port=ports[1],
         bootstrap_port=ports[2],
@@ -165,11 +205,18 @@ def check_model_path(model_path: str) -> None:
         raise DeployError(f"model path {model_path} has no config.json: not a model folder")
 
 
-def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check: bool) -> None:
-    """Everything that can be checked before a process starts. Raises DeployError."""
+def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check: bool) -> List[str]:
+    """Everything that can be checked before a process starts. Raises DeployError; returns
+    notes for the operator (what was not checked here and why)."""
     from sglang_disagg_ext.deploy.procs import gpu_count, port_in_use
 
-    check_model_path(opts.model_path)
+    notes = []
+    # options_from_args made every local path absolute, so only a Hub id it passed through
+    # has this form; whether the Hub has it is SGLang's to find out at start.
+    if looks_like_hub_id(opts.model_path):
+        notes.append(hub_note(opts.model_path))
+    else:
+        check_model_path(opts.model_path)
     if importlib.util.find_spec("sglang") is None:
         raise DeployError(f"SGLang is not installed in {sys.executable}")
     if opts.router == "sglang-router" and not router_installed():
@@ -180,7 +227,7 @@ def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check
         have, how = gpu_count()
         if have < needed:
             raise DeployError(
-                f"the servers need {needed} NVIDIA GPU(s) (GPU ids 0..{needed - 1}) but {have} "
+                f"the servers need {needed} GPU(s) (GPU ids 0..{needed - 1}) but {have} "
                 f"{'is' if have == 1 else 'are'} visible ({how}); --skip-gpu-check starts them anyway"
             )
     what = {"prefill": "--prefill-port", "decode": "--decode-port", "router": "--router-port"}
@@ -191,6 +238,7 @@ def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check
         reason = port_in_use(opts.host, port)
         if reason:
             raise DeployError(f"port {port} ({flag}) on {opts.host} is not available: {reason}")
+    return notes
 
 
 def _raise_interrupt(signum, frame):
@@ -216,7 +264,8 @@ def start(args) -> int:
 
     # A dry run is the deployment gate: every check that starts no process, then the commands.
     try:
-        preflight(opts, specs, args.skip_gpu_check)
+        for note in preflight(opts, specs, args.skip_gpu_check):
+            _err(note)
     except DeployError as exc:
         _err(f"{exc}\nnothing was started")
         return 2

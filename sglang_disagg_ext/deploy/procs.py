@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -104,23 +105,81 @@ def free_ports(host: str, count: int, low: int = 20000) -> List[int]:
     return chosen
 
 
-def gpu_count() -> Tuple[int, str]:
-    """(number of NVIDIA GPUs visible, how that was found)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0, "nvidia-smi is not on PATH"
+# GPU listing tools, tried in this order; the first that lists a GPU gives the count.
+# amd-smi is ROCm's current tool (ROCm 6+, it replaces rocm-smi); rocm-smi is kept for older
+# ROCm installs that have no amd-smi. An AMD node is where mori-ext runs.
+NVIDIA_SMI = ("nvidia-smi", ["-L"])
+AMD_SMI = ("amd-smi", ["list"])
+ROCM_SMI = ("rocm-smi", ["--showid"])
+GPU_TOOLS = (NVIDIA_SMI, AMD_SMI, ROCM_SMI)
+
+# ``nvidia-smi -L``: one line per GPU, "GPU 0: NVIDIA H100 ... (UUID: GPU-...)".
+_NVIDIA_LINE = re.compile(r"^GPU (\d+):")
+# ``amd-smi list``: one block per GPU opened by an unindented "GPU: 0" line, then indented
+# "BDF:", "UUID:", ... lines (CPU blocks, where listed, open with "CPU: 0" and are not counted).
+_AMD_SMI_LINE = re.compile(r"^GPU:\s*(\d+)\s*$")
+# ``rocm-smi --showid``: several "GPU[0]<tabs>: Device ID: ..." lines per GPU between banner
+# lines; a GPU is a distinct index.
+_ROCM_SMI_LINE = re.compile(r"^GPU\[(\d+)\]")
+_GPU_LINE = {"nvidia-smi": _NVIDIA_LINE, "amd-smi": _AMD_SMI_LINE, "rocm-smi": _ROCM_SMI_LINE}
+
+# Which variables limit what a process sees: CUDA's, and on ROCm HIP's and ROCr's (HIP also
+# honours CUDA_VISIBLE_DEVICES).
+_VISIBLE_VARS = {
+    "nvidia-smi": ("CUDA_VISIBLE_DEVICES",),
+    "amd-smi": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+    "rocm-smi": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+}
+
+
+def count_listed_gpus(tool: str, text: str) -> int:
+    """Number of distinct GPU indices in the output of ``tool`` (see GPU_TOOLS for the forms)."""
+    pattern = _GPU_LINE[tool]
+    return len({m.group(1) for m in map(pattern.match, text.splitlines()) if m})
+
+
+def _visible_limit(tool: str, count: int) -> Tuple[int, str]:
+    shown = []
+    for var in _VISIBLE_VARS[tool]:
+        value = os.environ.get(var)
+        if value is None:
+            continue
+        entries = [v for v in value.split(",") if v.strip() and v.strip() != "-1"]
+        count = min(count, len(entries))
+        shown.append(f"{var}={value!r}")
+    return count, "".join(f", {s}" for s in shown)
+
+
+def _run_gpu_tool(tool: str, args: List[str]) -> Tuple[Optional[int], str]:
+    """(GPUs ``tool`` lists, or None where it could not be asked; what happened, for messages)."""
+    exe = shutil.which(tool)
+    what = " ".join([tool] + args)
+    if exe is None:
+        return None, f"{tool}: not on PATH"
     try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([exe] + args, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return 0, f"nvidia-smi -L failed: {exc}"
+        return None, f"{what}: failed ({exc})"
     if out.returncode != 0:
-        return 0, f"nvidia-smi -L exited {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}"
-    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-        return min(count, len(entries)), f"nvidia-smi lists {count}, CUDA_VISIBLE_DEVICES={visible!r}"
-    return count, f"nvidia-smi lists {count}"
+        return None, f"{what}: exited {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}"
+    count = count_listed_gpus(tool, out.stdout)
+    return count, f"{what} lists {count}"
+
+
+def gpu_count(tools: Sequence[Tuple[str, List[str]]] = GPU_TOOLS) -> Tuple[int, str]:
+    """(number of GPUs visible, how that was found): NVIDIA through ``nvidia-smi -L``, AMD through
+    ``amd-smi list`` or else ``rocm-smi --showid``; the first tool that lists a GPU counts, limited
+    by the visibility variables of its platform. The text names every tool tried and what each
+    said, so a refusal shows where the count came from (or that no tool was there). ``tools``
+    narrows the search (the CUDA-only end-to-end tests ask for NVIDIA GPUs alone)."""
+    tried = []
+    for tool, args in tools:
+        count, how = _run_gpu_tool(tool, args)
+        if count:
+            visible, shown = _visible_limit(tool, count)
+            return visible, "; ".join(tried + [how + shown])
+        tried.append(how)
+    return 0, "; ".join(tried)
 
 
 def http_ok(url: str, timeout: float) -> bool:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from sglang_disagg_ext.deploy.procs import gpu_count
+from sglang_disagg_ext.deploy.procs import NVIDIA_SMI, gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = str(ROOT / "scripts" / "launch_pd.py")
@@ -23,7 +23,8 @@ IB_ENV = "SGLANG_DISAGG_EXT_E2E_IB_DEVICE"
 
 
 def gpu_skip_reason(needed: int) -> Optional[str]:
-    have, how = gpu_count()
+    # These tests deploy on CUDA, so only NVIDIA GPUs count here (launch-pd counts AMD GPUs too).
+    have, how = gpu_count(tools=(NVIDIA_SMI,))
     if have < needed:
         return f"GPU-only end-to-end test: needs {needed} NVIDIA GPU(s), {have} visible ({how})"
     return None

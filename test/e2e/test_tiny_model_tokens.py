@@ -48,11 +48,11 @@ def tiny_model(request, tmp_path_factory):
 @pytest.mark.timeout(3600)
 def test_pd_tokens_equal_colocated(tiny_model, tmp_path):
     from sglang_disagg_ext.deploy.commands import build_colocated_server
-    from sglang_disagg_ext.deploy.procs import Launcher, free_ports, gpu_count
+    from sglang_disagg_ext.deploy.procs import NVIDIA_SMI, Launcher, free_ports, gpu_count
 
     folder, load_flags = tiny_model
     flags = load_flags + SAME_FLAGS
-    decode_gpu = "1" if gpu_count()[0] >= 2 else "0"
+    decode_gpu = "1" if gpu_count(tools=(NVIDIA_SMI,))[0] >= 2 else "0"
     run_dir = tmp_path / "pd"
     try:
         record = e2e.start_pd(run_dir, folder, "mooncake-ext",

@@ -6,7 +6,9 @@ health wait), the SGLang server is replaced by ``test/support/sglang_standin``
 through launch_pd's own ``--server-module`` option: a real SGLang server cannot
 stay up on this CPU-only machine. The router in those tests is the real in-tree
 mini load balancer. The "server dies during start" test runs the real
-``sglang.launch_server`` (it exits: no accelerator here).
+``sglang.launch_server`` (it exits: no accelerator here). The GPU-count tests put stand-ins for
+``nvidia-smi``/``amd-smi``/``rocm-smi`` (``test/support/gpu_tools.py``) alone on ``PATH``: the
+real tools cannot exist on this CPU-only machine.
 """
 
 import json
@@ -23,6 +25,7 @@ import pytest
 
 from sglang_disagg_ext.deploy.procs import free_ports, gpu_count
 from sglang_disagg_ext.releases import installed_sglang_version
+from support.gpu_tools import amd_smi_list, fake_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "launch_pd.py")
@@ -113,7 +116,7 @@ def test_dry_run_refuses_what_start_would_refuse(tmp_path, model_dir):
     if have < 2:  # the default 1P1D on GPUs needs two
         out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir)], timeout=240)
         assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
-        assert "NVIDIA GPU(s)" in out.stderr and "--skip-gpu-check" in out.stderr, out.stderr
+        assert "GPU(s)" in out.stderr and "--skip-gpu-check" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(300)
@@ -143,13 +146,107 @@ def test_folder_without_config_is_refused(tmp_path):
 def test_no_gpu_is_refused_before_anything_starts(tmp_path, model_dir):
     have, how = gpu_count()
     if have >= 2:
-        pytest.skip(f"this machine has {have} NVIDIA GPUs ({how}); the refusal needs fewer than 2")
+        pytest.skip(f"this machine has {have} GPUs ({how}); the refusal needs fewer than 2")
     out = run_launcher(["start", "--model-path", str(model_dir), "--run-dir", str(tmp_path / "run")],
                        timeout=240)
     assert out.returncode == 2
-    assert f"the servers need 2 NVIDIA GPU(s) (GPU ids 0..1) but {have}" in out.stderr
+    assert f"the servers need 2 GPU(s) (GPU ids 0..1) but {have}" in out.stderr
+    assert f"({how})" in out.stderr  # which tools were asked and what they said
     assert "--skip-gpu-check" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def without_visibility_vars(env_extra):
+    env = dict(os.environ)
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        env.pop(var, None)
+    env.update(env_extra)
+    return env
+
+
+def run_launcher_env(args, timeout, env, cwd=None):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.mark.timeout(300)
+def test_amd_gpus_pass_the_gpu_check_for_mori_ext(tmp_path, model_dir):
+    """A mori-ext launch on an AMD node (amd-smi lists the GPUs, no nvidia-smi) passes the GPU
+    check without --skip-gpu-check; with one GPU listed it is refused, naming the tools asked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_tool(bin_dir, "amd-smi", ["list"], amd_smi_list(2))
+    env = without_visibility_vars({"PATH": str(bin_dir)})
+    args = ["start", "--dry-run", "--model-path", str(model_dir), "--backend", "mori-ext", "--router", "mini-lb"]
+    out = run_launcher_env(args, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 and all("--disaggregation-transfer-backend mori-ext" in l for l in lines[:2])
+    assert "--base-gpu-id 0 " in lines[0] and "--base-gpu-id 1 " in lines[1]
+
+    fake_tool(bin_dir, "amd-smi", ["list"], amd_smi_list(1))
+    out = run_launcher_env(args, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert ("the servers need 2 GPU(s) (GPU ids 0..1) but 1 is visible "
+            "(nvidia-smi: not on PATH; amd-smi list lists 1); --skip-gpu-check starts them anyway") in out.stderr
+
+    out = run_launcher_env(args + ["--skip-gpu-check"], timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 3, out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_no_gpu_tool_refusal_names_every_tool_tried(tmp_path, model_dir):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()  # no GPU tool at all
+    out = run_launcher_env(["start", "--dry-run", "--model-path", str(model_dir), "--backend", "mori-ext"],
+                           timeout=240, env=without_visibility_vars({"PATH": str(bin_dir)}), cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert ("but 0 are visible (nvidia-smi: not on PATH; amd-smi: not on PATH; rocm-smi: not on PATH)"
+            in out.stderr), out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_hub_id_is_passed_to_sglang_unchanged(tmp_path):
+    """A Hugging Face Hub id that is no local path passes the preflight and reaches both servers
+    as given; the dry run says SGLang fetches it from the Hub. Nothing is downloaded here."""
+    hub_id = "meta-llama/Llama-3.1-8B-Instruct"
+    out = run_launcher(["start", "--dry-run", "--model-path", hub_id, "--skip-gpu-check", "--router", "mini-lb"],
+                       timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    prefill, decode, _ = out.stdout.splitlines()
+    for line in (prefill, decode):
+        assert f" --model-path {hub_id} " in line
+    assert out.stderr.count("Hugging Face Hub") == 1
+    assert (f"model {hub_id} is not a local path: passed unchanged to SGLang, which fetches it from the "
+            "Hugging Face Hub") in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("given,refused", [("/models/absent-x", "/models/absent-x"),
+                                           ("./absent-x", "{cwd}/absent-x"),
+                                           ("~/absent-x", "{home}/absent-x"),
+                                           ("nested/absent-x/more", "{cwd}/nested/absent-x/more")])
+def test_a_missing_path_is_still_refused(tmp_path, given, refused):
+    home = tmp_path / "home"
+    home.mkdir()
+    out = run_launcher(["start", "--dry-run", "--model-path", given, "--skip-gpu-check"], timeout=240,
+                       env_extra={"HOME": str(home)}, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert f"model path {refused.format(cwd=tmp_path, home=home)} does not exist" in out.stderr
+    assert "Hugging Face Hub" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_local_folder_shaped_like_a_hub_id_stays_local(tmp_path):
+    local = tmp_path / "org" / "name"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = run_launcher(["start", "--dry-run", "--model-path", "org/name", "--skip-gpu-check"], timeout=240,
+                       cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert all(f" --model-path {local} " in l for l in out.stdout.splitlines()[:2])
+    assert "Hugging Face Hub" not in out.stderr
 
 
 @pytest.mark.timeout(300)
