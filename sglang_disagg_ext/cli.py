@@ -8,9 +8,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from sglang_disagg_ext import backend_table
+
+# reStructuredText markup the docstrings use (``literal``, :func:`name`): --help shows them as plain text.
+_RST_LITERAL = re.compile(r"(?::[a-z]+:)?``?([^`]+?)``?")
+
+
+def plain_text(text):
+    """``text`` (a docstring used as --help text) with its reStructuredText markup taken off."""
+    return _RST_LITERAL.sub(r"\1", text) if text else text
+
+
+def _positive(kind, what: str):
+    """An argparse type: a ``kind`` number above zero (``what`` names it in the refusal).
+
+    Zero or less never makes sense for these options (no time, no requests, no ranks),
+    and a value passed on would only fail later, reported as failed rows.
+    """
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+        return value
+
+    parse.__name__ = what  # argparse's fallback name in messages
+    return parse
+
+
+def _rate(text: str) -> float:
+    """An argparse type: a share of requests, 0 <= R < 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 0 and below 1")
+    return value
+
+
+def _selftest_backend(text: str) -> str:
+    """``--backend`` of selftest: a stock name or its ``-ext`` name, both meaning that engine
+    (every row runs stock and -ext side by side)."""
+    name = backend_table.ext_to_base().get(text, text)
+    if name not in backend_table.NAMES:
+        known = ", ".join(n for b in backend_table.BACKENDS for n in (b.name, b.ext_name))
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {known})")
+    return name
 
 
 def _doctor(args) -> int:
@@ -59,7 +109,7 @@ def _deploy(name: str, argv) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sglang_disagg_ext import build_info, releases
 
-    parser = argparse.ArgumentParser(prog="sglang-disagg-ext", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sglang-disagg-ext", description=plain_text(__doc__))
     parser.add_argument(
         "--version", action="version",
         version=f"%(prog)s {build_info.version_line()} (SGLang {releases.installed_sglang_version() or 'not installed'})",
@@ -83,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         "selftest",
         help="run the built-in transfer scenarios, stock vs -ext, on the real engines",
     )
-    p.add_argument("--backend", choices=list(backend_table.NAMES), action="append",
-                   help="limit to these backends (repeatable); default: every engine available here")
+    p.add_argument("--backend", type=_selftest_backend, action="append",
+                   metavar="{%s}" % ",".join(backend_table.NAMES),
+                   help="limit to these engines (repeatable); mooncake-ext, nixl-ext, mori-ext name the same "
+                        "engine (each row runs stock and -ext side by side); default: every engine available here")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: release, options, rows (each with why if not run), totals")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
@@ -98,9 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--disaggregation-ib-device for Mooncake, UCX_NET_DEVICES for NIXL")
     p.add_argument("--scenario", action="append", metavar="NAME",
                    help="run only this scenario (repeatable; exact row name)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per scenario before it counts as failed")
-    p.add_argument("--list", action="store_true", help="print the scenario names for these backends and exit")
-    p.add_argument("--min-rows", type=int, default=1,
+    p.add_argument("--timeout", type=_positive(float, "a number of seconds"), default=60.0,
+                   help="seconds per scenario before it counts as failed (above 0)")
+    p.add_argument("--list", action="store_true",
+                   help="print the scenario names for these backends and exit (with --json: one JSON list of rows, "
+                        "each with its backend, fixes and whether it runs here or why not)")
+    p.add_argument("--min-rows", type=_positive(int, "a whole number"), default=1,
                    help="exit 1 unless at least this many -ext rows ran (default 1: a run where every row is "
                         "n/a checks nothing)")
     p.add_argument("--ext-only", action="store_true",
@@ -112,19 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     soak = p.add_argument_group("soak", "--soak: many concurrent requests with injected faults, stock and -ext "
                                         "side by side (Mooncake or NIXL over TCP; see selftest/soak.py)")
     soak.add_argument("--soak", action="store_true", help="run the soak instead of the scenario rows")
-    soak.add_argument("--requests", type=int, default=512, help="soak requests in all (default 512)")
-    soak.add_argument("--wave", type=int, default=64, help="soak requests in flight at once (default 64)")
-    soak.add_argument("--fault-rate", type=float, default=1 / 16,
+    count = _positive(int, "a whole number")
+    soak.add_argument("--requests", type=count, default=512, help="soak requests in all (default 512)")
+    soak.add_argument("--wave", type=count, default=64, help="soak requests in flight at once (default 64)")
+    soak.add_argument("--fault-rate", type=_rate, default=1 / 16,
                       help="Mooncake: share of soak requests whose write the engine drops; NIXL: prefill's agent "
                            "fails 1 in round(1/R) of its posts (default 1/16)")
-    soak.add_argument("--bad-rate", type=float, default=1 / 32,
+    soak.add_argument("--bad-rate", type=_rate, default=1 / 32,
                       help="share of soak requests with a decode index outside the pool (default 1/32)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
     soak.add_argument("--no-restart", action="store_true",
                       help="keep the decode worker up (default: it is killed in the middle wave and restarted)")
-    soak.add_argument("--prefill-tp", type=int, default=1,
+    soak.add_argument("--prefill-tp", type=count, default=1,
                       help="soak prefill ranks, one process each (NIXL: 2 with --decode-tp 1; default 1)")
-    soak.add_argument("--decode-tp", type=int, default=1,
+    soak.add_argument("--decode-tp", type=count, default=1,
                       help="soak decode ranks, one process each (NIXL: 2 with --prefill-tp 1; default 1)")
     p.set_defaults(func=_selftest)
 

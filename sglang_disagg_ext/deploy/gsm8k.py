@@ -203,7 +203,9 @@ def run_eval(url: str, opts: EvalOptions, workdir: Path, timeout: float, label: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gsm8k", description=__doc__,
+    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+
+    p = argparse.ArgumentParser(prog="gsm8k", description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="router (or any SGLang server) URL, e.g. http://127.0.0.1:8000")

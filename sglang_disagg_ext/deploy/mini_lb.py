@@ -193,7 +193,9 @@ def parse_prefill(values: List[str]) -> Tuple[str, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mini_lb", description=__doc__,
+    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+
+    parser = argparse.ArgumentParser(prog="mini_lb", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", nargs="+", required=True, metavar="URL [BOOTSTRAP_PORT]")
     parser.add_argument("--decode", required=True, metavar="URL")

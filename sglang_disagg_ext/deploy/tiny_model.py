@@ -108,7 +108,9 @@ def write_tiny_model(folder, with_weights: bool = False) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tiny_model", description=__doc__,
+    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+
+    parser = argparse.ArgumentParser(prog="tiny_model", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="output folder (created if missing)")
     parser.add_argument("--with-weights", action="store_true",

@@ -120,6 +120,11 @@ def prefill_fault_hooks() -> Optional[str]:
     return fault_hooks_path()
 
 
+# Why a Mooncake scenario with a fault hook is "n/a" outside a source checkout (also ``--list``).
+MOONCAKE_NO_HOOKS_WHY = ("no source checkout: the fault hook (test/support/prefill_faults.py) "
+                         "that makes a transfer-path thread raise is not in the wheel")
+
+
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
                   names: Optional[List[str]] = None, ext_only: bool = False) -> List[Dict]:
     from sglang_disagg_ext.selftest.harness.run import run_scenario
@@ -137,8 +142,7 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
         hook = getattr(builtin, "prefill_hook", "")
         if hook and hooks is None:
             rows.append(make_row(builtin.name, builtin.fix, "mooncake", "n/a", "n/a", False, 0.0,
-                                 why="no source checkout: the fault hook (test/support/prefill_faults.py) "
-                                     "that makes a transfer-path thread raise is not in the wheel"))
+                                 why=MOONCAKE_NO_HOOKS_WHY))
             continue
         if hook:
             transfer_run = dict(transfer, extra_env={"SGLANG_HARNESS_PREFILL_HOOK": f"{hooks}:{hook}"})
@@ -215,13 +219,12 @@ def collect_rows(backends: List[str], timeout_s: float, options: Optional[Transf
     # F5 rows run in this process on pools of ``device``; they move no bytes
     # between processes, so the protocol does not apply to them.
     if names is None or set(names) & set(f5_row_names()):
-        f5 = f5_rows(device=options.device)
-        rows.extend(r for r in f5 if names is None or r["scenario"] in names)
+        rows.extend(f5_rows(device=options.device, names=names))
     from sglang_disagg_ext.selftest.scenarios.metadata_gate import metadata_gate_row_names, metadata_gate_rows
 
     # F10 rows drive SGLang's decode transfer queue in this process (no transfer).
     if names is None or set(names) & set(metadata_gate_row_names()):
-        rows.extend(r for r in metadata_gate_rows() if names is None or r["scenario"] in names)
+        rows.extend(metadata_gate_rows(names=names))
     return rows
 
 
@@ -245,6 +248,60 @@ def scenario_names(backends: List[str]) -> List[str]:
     from sglang_disagg_ext.selftest.scenarios.metadata_gate import metadata_gate_row_names
 
     return names + f5_row_names() + metadata_gate_row_names()
+
+
+def list_rows(backends: List[str], options: Optional[TransferOptions] = None) -> List[Dict]:
+    """``selftest --list --json``: one entry per row ``scenario_names`` lists, in its order (runs nothing).
+
+    Each: ``scenario``, ``backend`` (engine, or "all" for the in-process rows), ``fixes``
+    (the fix ids it proves), ``runs`` and ``why`` (the reason it is "n/a" here, else
+    None). ``runs`` comes from what the row functions decide before running anything:
+    the release's fix statuses, the transfer options, the source checkout; a run can
+    still find the engine or the MoRI stand-in unusable and report the row then.
+    """
+    from sglang_disagg_ext.selftest.scenarios import f5, metadata_gate
+
+    options = (options or TransferOptions()).validated()
+    policy = releases.current_policy()
+    out: List[Dict] = []
+
+    def add(name: str, fix: str, backend: str, why: Optional[str] = None) -> None:
+        out.append({"scenario": name, "backend": backend, "fixes": fix.split("/"), "runs": why is None, "why": why})
+
+    if "mooncake" in backends:
+        hooks = prefill_fault_hooks()
+        for b in mooncake_scenarios(policy):
+            add(b.name, b.fix, "mooncake",
+                MOONCAKE_NO_HOOKS_WHY if getattr(b, "prefill_hook", "") and hooks is None else None)
+    if "nixl" in backends:
+        from sglang_disagg_ext.selftest.scenarios import nixl_newest
+
+        hooks = prefill_fault_hooks()
+        routes = policy.routes("nixl")
+        for b in nixl_newest.nixl_scenarios(policy):
+            why = None
+            if not routes:
+                why = f"{nixl_newest.PASSTHROUGH_ROW} ({nixl_newest.passthrough_reason(policy)})"
+            elif (b.prefill_hook or b.decode_hook) and hooks is None:
+                why = nixl_newest.NO_HOOKS_WHY
+            add(b.name, b.fix, "nixl", why)
+    if "mori" in backends:
+        from sglang_disagg_ext.selftest.scenarios import mori, mori_newest
+
+        real = os.environ.get(mori.ENGINE_ENV, "").lower() == "real"
+        for name, why in mori.not_run_reasons(policy, real, options).items():
+            add(name, mori.FIX, mori.BACKEND, why)
+        static = mori_newest.static_not_run_reason(policy, real, options)
+        by_release = {} if static else mori_newest.release_not_run_reasons(policy)
+        for name in mori_newest.ROW_NAMES:
+            add(name, mori_newest.FIX, mori.BACKEND, static or by_release.get(name))
+    # F5: where it is upstream the row still runs -ext (the release's own code); stock is n/a.
+    for name in f5.f5_row_names():
+        add(name, "F5", "all")
+    why = metadata_gate.not_run_reason(policy)
+    for name in metadata_gate.metadata_gate_row_names():
+        add(name, "F10", "all", why)
+    return out
 
 
 def device_preflight(options: TransferOptions, backends: List[str], asked: Optional[str] = None) -> Optional[str]:
@@ -386,10 +443,14 @@ def main(args) -> int:
         return 2
     if getattr(args, "soak", False):
         return soak_main(args, policy, options)
-    backends = args.backend or default_backends()
+    # Once each, in the order given: "mooncake" and "mooncake-ext" name the same engine (cli).
+    backends = list(dict.fromkeys(args.backend or default_backends()))
     if getattr(args, "list", False):
-        for name in scenario_names(backends):
-            print(name)
+        if args.json:
+            print(json.dumps(list_rows(backends, options), indent=2))
+        else:
+            for name in scenario_names(backends):
+                print(name)
         return 0
     problem = device_preflight(options, backends, asked=args.device)
     if problem:

@@ -692,8 +692,10 @@ def f5_row_names(cycles: int = 100) -> List[str]:
     ]
 
 
-def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]:
-    """F5 rows for the selftest table: each scenario run stock and ext in this process."""
+def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu", names: Optional[List[str]] = None) -> List[Dict]:
+    """F5 rows for the selftest table: each scenario run stock and ext in this process.
+
+    ``names`` limits the rows; one not asked for is neither run nor reported."""
     policy = releases.current_policy()
     try:  # import SGLang's modules up front, so no row's seconds include them
         nsa_pool_class()
@@ -709,10 +711,12 @@ def f5_rows(cycles: int = 100, seed: int = 0, device: str = "cpu") -> List[Dict]
     except Exception as exc:  # noqa: BLE001 - the rows then say why nothing could be predicted
         shape = None
         expect = (f"unknown ({type(exc).__name__}: {exc})",) * 3
-    rows = [
-        _row(retract_name, lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device), policy, expect[0],
-             signature=(lambda report: stock_retract_signature(report, shape)) if shape is not None else None),
-        _row(metadata_name, lambda ext: metadata_scenario(ext), policy, expect[1]),
-        _row(clear_name, lambda ext: clear_buffers_scenario(ext, device=device), policy, expect[2]),
-    ]
-    return rows
+    retract_signature = (lambda report: stock_retract_signature(report, shape)) if shape is not None else None
+    cases = (
+        (retract_name, lambda ext: retract_scenario(ext, cycles=cycles, seed=seed, device=device), expect[0],
+         retract_signature),
+        (metadata_name, lambda ext: metadata_scenario(ext), expect[1], None),
+        (clear_name, lambda ext: clear_buffers_scenario(ext, device=device), expect[2], None),
+    )
+    return [_row(name, run, policy, expected, signature=signature)
+            for name, run, expected, signature in cases if names is None or name in names]

@@ -523,26 +523,36 @@ def _row(name: str, run: Callable[[bool], GateReport], stock_expected: str,
                     stock_expected=stock_expected, note="; ".join(notes))
 
 
-def metadata_gate_rows(deadline_s: int = DEADLINE_S) -> List[Dict]:
+def not_run_reason(policy) -> Optional[str]:
+    """Why the F10 rows are "n/a" on ``policy``'s release, or None where they run (also ``selftest --list``)."""
+    if policy.is_live("F10") and policy.support is releases.Support.ACTIVE:
+        return None
+    status = policy.fixes.get("F10")
+    return (f"F10 is {getattr(status, 'value', status)!r} on SGLang {policy.version}: -ext installs no "
+            "metadata-gate deadline here")
+
+
+def metadata_gate_rows(deadline_s: int = DEADLINE_S, names: Optional[List[str]] = None) -> List[Dict]:
     """F10 rows for the selftest table: each case run stock and ext in this process.
 
     Where F10 is not live (the plugin installs no gate there) the rows are "n/a".
+    ``names`` limits the rows; one not asked for is neither run nor reported.
     """
     from sglang_disagg_ext.selftest.rows import make_row
 
     policy = releases.current_policy()
     lost_name, landed_name = metadata_gate_row_names()
-    if not (policy.is_live("F10") and policy.support is releases.Support.ACTIVE):
-        status = policy.fixes.get("F10")
-        why = (f"F10 is {getattr(status, 'value', status)!r} on SGLang {policy.version}: -ext installs no "
-               "metadata-gate deadline here")
-        return [make_row(n, "F10", "all", "n/a", "n/a", False, 0.0, why=why) for n in (lost_name, landed_name)]
+    wanted = [n for n in (lost_name, landed_name) if names is None or n in names]
+    why = not_run_reason(policy)
+    if why:
+        return [make_row(n, "F10", "all", "n/a", "n/a", False, 0.0, why=why) for n in wanted]
     try:  # import SGLang's modules up front, so no row's seconds include them
         from sglang.srt.disaggregation import decode  # noqa: F401
         from sglang.srt.managers import schedule_batch  # noqa: F401
     except Exception:
         pass  # the rows report what is missing
-    return [
-        _row(lost_name, lambda ext: gate_scenario(ext, "lost", deadline_s), "fail", stock_lost_signature),
-        _row(landed_name, lambda ext: gate_scenario(ext, "landed", deadline_s), "pass", None),
-    ]
+    cases = (
+        (lost_name, lambda ext: gate_scenario(ext, "lost", deadline_s), "fail", stock_lost_signature),
+        (landed_name, lambda ext: gate_scenario(ext, "landed", deadline_s), "pass", None),
+    )
+    return [_row(*case) for case in cases if case[0] in wanted]

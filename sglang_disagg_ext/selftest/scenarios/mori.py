@@ -262,38 +262,84 @@ def mori_rows(timeout_s: float = 240.0, real_engine: Optional[bool] = None, opti
     options = (options or TransferOptions()).validated()
     if real_engine is None:
         real_engine = os.environ.get(ENGINE_ENV, "").lower() == "real"
-    rows = _mori_rows(timeout_s, real_engine, options)
-    return [r for r in rows if names is None or r["scenario"] in names]
+    # Only the rows asked for are built: an unselected row neither runs nor prints progress.
+    wanted = [n for n in ROW_NAMES if names is None or n in names]
+    return _mori_rows(timeout_s, real_engine, options, wanted) if wanted else []
 
 
-def _mori_rows(timeout_s: float, real_engine: bool, options) -> List[Dict]:
-    policy = releases.current_policy()
-    engine = REAL_ENGINE_NOTE if real_engine else ENGINE_NOTE
+def not_run_reasons(policy, real_engine: bool, options) -> Dict[str, Optional[str]]:
+    """Why each F3 row is "n/a" here, from the release and options alone (``None``: it runs).
+
+    Shared by the rows and ``selftest --list``; the stand-in's self-check (a child
+    process) is left to the run.
+    """
+    why = None
     if not real_engine and not options.is_default:
         why = (
             f"asked for {options.describe()}: the MoRI stand-in engine copies host memory between processes "
             "and has no transports to choose; these options apply to the real engine only "
             f"({ENGINE_ENV}=real on a ROCm node with mori installed)"
         )
-        return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES]
-    transfer = {"device": options.device, "ib_device": options.ib_device, "protocol": options.protocol}
-    status = policy.fixes.get(FIX)
-    if status is releases.FixStatus.NA or not policy.supported:
+    elif policy.fixes.get(FIX) is releases.FixStatus.NA or not policy.supported:
         why = f"F3 is n/a on SGLang {policy.version}: MoRI has no hybrid-state path before 0.5.12"
-        return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES]
-    if not real_engine:
+    elif not real_engine and standin_dir() is None:
+        why = "stand-in unusable here: no source checkout: test/support/mori_standin is not installed with the plugin"
+    out: Dict[str, Optional[str]] = {name: why for name in ROW_NAMES}
+    if why is None and policy.fixes.get(FIX) is not releases.FixStatus.LIVE:
+        # The refusals are the plugin's wire; on this release mori-ext is the stock classes.
+        for name in ROW_NAMES[1:]:
+            out[name] = f"F3 is upstream on SGLang {policy.version}: mori-ext uses the stock classes and stock wire"
+    return out
+
+
+def _mori_rows(timeout_s: float, real_engine: bool, options, wanted: List[str]) -> List[Dict]:
+    policy = releases.current_policy()
+    engine = REAL_ENGINE_NOTE if real_engine else ENGINE_NOTE
+    reasons = not_run_reasons(policy, real_engine, options)
+    if reasons[ROW_NAMES[0]] is None and not real_engine:
         ok, detail = standin_usable()
         if not ok:
-            return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=f"stand-in unusable here: {detail}")
-                    for name in ROW_NAMES]
+            reasons = {name: f"stand-in unusable here: {detail}" for name in ROW_NAMES}
+    if reasons[ROW_NAMES[0]] is not None:
+        return [_row(name, "n/a", "n/a", False, 0.0, engine, detail=reasons[name]) for name in wanted]
+    transfer = {"device": options.device, "ib_device": options.ib_device, "protocol": options.protocol}
+    status = policy.fixes.get(FIX)
 
     rows = []
+    if ROW_NAMES[0] in wanted:
+        rows.append(_hybrid_row(policy, status, engine, timeout_s, real_engine, transfer))
+    if status is not releases.FixStatus.LIVE:
+        rows += [_row(name, "n/a", "n/a", False, 0.0, engine, detail=reasons[name])
+                 for name in ROW_NAMES[1:] if name in wanted]
+        return rows
+
+    for name, prefill, decode, side in (
+        ("mori-flat-decode-refused", "mori-ext", "mori", "prefill"),
+        ("mori-flat-prefill-refused", "mori", "mori-ext", "decode"),
+    ):
+        if name not in wanted:
+            continue
+        start = time.monotonic()
+        res = run(kv_only_scenario(name), prefill, decode_backend=decode, timeout_s=timeout_s,
+                  real_engine=real_engine, **transfer)
+        passed = refused_cleanly(res, side)
+        rows.append(_row(
+            # verified: decode's pools were compared byte for byte and are untouched.
+            name, "n/a", "pass" if passed else "fail", passed, time.monotonic() - start, engine,
+            detail=f"prefill {prefill}, decode {decode}: refused at registration, decode pools untouched",
+            ext_detail=None if passed else res.describe(logs=False),
+        ))
+    return rows
+
+
+def _hybrid_row(policy, status, engine: str, timeout_s: float, real_engine: bool, transfer) -> Dict:
+    """The ``mori-hybrid-state`` row: the hybrid scenario stock and -ext."""
     start = time.monotonic()
     scn = hybrid_scenario()
     stock = run(scn, "mori", timeout_s=timeout_s, real_engine=real_engine, **transfer)
     ext = run(scn, "mori-ext", timeout_s=timeout_s, real_engine=real_engine, **transfer)
     live = status is releases.FixStatus.LIVE
-    rows.append(_row(
+    return _row(
         scn.name,
         "pass" if stock.ok else "fail",
         "pass" if ext.ok else "fail",
@@ -306,25 +352,4 @@ def _mori_rows(timeout_s: float, real_engine: bool, options) -> List[Dict]:
             else stock.describe(logs=False)
         ),
         ext_detail=None if ext.ok else ext.describe(logs=False),
-    ))
-    if not live:
-        # The refusals are the plugin's wire; on this release mori-ext is the stock classes.
-        why = f"F3 is upstream on SGLang {policy.version}: mori-ext uses the stock classes and stock wire"
-        rows += [_row(name, "n/a", "n/a", False, 0.0, engine, detail=why) for name in ROW_NAMES[1:]]
-        return rows
-
-    for name, prefill, decode, side in (
-        ("mori-flat-decode-refused", "mori-ext", "mori", "prefill"),
-        ("mori-flat-prefill-refused", "mori", "mori-ext", "decode"),
-    ):
-        start = time.monotonic()
-        res = run(kv_only_scenario(name), prefill, decode_backend=decode, timeout_s=timeout_s,
-                  real_engine=real_engine, **transfer)
-        passed = refused_cleanly(res, side)
-        rows.append(_row(
-            # verified: decode's pools were compared byte for byte and are untouched.
-            name, "n/a", "pass" if passed else "fail", passed, time.monotonic() - start, engine,
-            detail=f"prefill {prefill}, decode {decode}: refused at registration, decode pools untouched",
-            ext_detail=None if passed else res.describe(logs=False),
-        ))
-    return rows
+    )

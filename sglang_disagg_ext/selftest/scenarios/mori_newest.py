@@ -266,6 +266,44 @@ def short_row_stock_signature(result) -> bool:
     )
 
 
+def static_not_run_reason(policy, real_engine: bool, options) -> Optional[str]:
+    """Why every F12 row is "n/a" here, from the release, engine and options alone (None: they
+    may run). Shared by the rows and ``selftest --list``; the stand-in's self-check (a child
+    process) is left to the run."""
+    status = policy.fixes.get(FIX)
+    if status is not releases.FixStatus.LIVE:
+        return (f"F12 is {status.value if status else 'unknown'} on SGLang {policy.version}: "
+                "mori-ext has no F12 class there")
+    if real_engine:
+        return "the F12 rows inject their faults around the MoRI stand-in's host copies; run test_mori_newest.py"
+    if not options.is_default:
+        return f"asked for {options.describe()}: the MoRI stand-in has no transports to choose"
+    if hook_file() is None:
+        return "no source checkout: the F12 fault hooks (test/support/aux_wire.py) are not in the wheel"
+    if mori_rows.standin_dir() is None:
+        return "stand-in unusable here: no source checkout: test/support/mori_standin is not installed with the plugin"
+    return None
+
+
+def release_not_run_reasons(policy) -> Dict[str, str]:
+    """The F12 rows that are "n/a" on the installed release even where F12 is live, with why."""
+    if not releases.features().mori_sender_notifies_status:
+        return {}
+    # Up to 0.5.19 (mori_sender_notifies_status): stock's rows and status leave on one socket
+    # from one thread (0.5.12.post1+); on 0.5.10.post1/0.5.11 (a new ZMQ context and socket per
+    # message, common/conn.py:371-376) the delay hook stalls the sending thread for the delay,
+    # so the status never overtook a row here (5 of 5 rooms, 300 ms). Stock's decode worker
+    # handles each status inline, with no per-message method for -ext to guard. The short-row
+    # row is F12 there.
+    return {
+        "mori-aux-order": f"n/a on SGLang {policy.version}: stock's status did not overtake its rows here "
+                          "(one socket from one thread, or not shown by the delay hook), so -ext leaves "
+                          "the channel as it is and checks the rows",
+        "mori-status-worker-fault": f"n/a on SGLang {policy.version}: stock's decode worker handles each status "
+                                    "inline (no apply_prefill_status to guard)",
+    }
+
+
 def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[str]] = None) -> List[Dict]:
     """The F12 rows of the selftest table (the MoRI stand-in, SGLang's default metadata path):
 
@@ -293,17 +331,10 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
     def row(name, stock, ext, verified, seconds, **extra):
         return make_row(name, FIX, mori_rows.BACKEND, stock, ext, verified, seconds, engine=engine, **extra)
 
-    status = policy.fixes.get(FIX)
-    why = None
-    if status is not releases.FixStatus.LIVE:
-        why = f"F12 is {status.value if status else 'unknown'} on SGLang {policy.version}: mori-ext has no F12 class there"
-    elif real_engine:
-        why = "the F12 rows inject their faults around the MoRI stand-in's host copies; run test_mori_newest.py"
-    elif not options.is_default:
-        why = f"asked for {options.describe()}: the MoRI stand-in has no transports to choose"
-    elif hook_file() is None:
-        why = "no source checkout: the F12 fault hooks (test/support/aux_wire.py) are not in the wheel"
-    else:
+    if not wanted:  # nothing selected: no stand-in self-check, no progress lines
+        return []
+    why = static_not_run_reason(policy, real_engine, options)
+    if why is None:
         ok, detail = mori_rows.standin_usable()
         if not ok:
             why = f"stand-in unusable here: {detail}"
@@ -311,22 +342,9 @@ def f12_rows(timeout_s: float, real_engine: bool, options, names: Optional[List[
         return [row(n, "n/a", "n/a", False, 0.0, detail=why) for n in wanted]
 
     rows = []
-    if releases.features().mori_sender_notifies_status:
-        # Up to 0.5.19 (mori_sender_notifies_status): stock's rows and status leave on one socket
-        # from one thread (0.5.12.post1+); on 0.5.10.post1/0.5.11 (a new ZMQ context and socket per
-        # message, common/conn.py:371-376) the delay hook stalls the sending thread for the delay,
-        # so the status never overtook a row here (5 of 5 rooms, 300 ms). Stock's decode worker
-        # handles each status inline, with no per-message method for -ext to guard. The short-row
-        # row is F12 there.
-        legacy_why = {
-            "mori-aux-order": f"n/a on SGLang {policy.version}: stock's status did not overtake its rows here "
-                              "(one socket from one thread, or not shown by the delay hook), so -ext leaves "
-                              "the channel as it is and checks the rows",
-            "mori-status-worker-fault": f"n/a on SGLang {policy.version}: stock's decode worker handles each status "
-                                        "inline (no apply_prefill_status to guard)",
-        }
-        rows += [row(n, "n/a", "n/a", False, 0.0, detail=legacy_why[n]) for n in wanted if n in legacy_why]
-        wanted = [n for n in wanted if n not in legacy_why]
+    legacy_why = release_not_run_reasons(policy)
+    rows += [row(n, "n/a", "n/a", False, 0.0, detail=legacy_why[n]) for n in wanted if n in legacy_why]
+    wanted = [n for n in wanted if n not in legacy_why]
     if "mori-aux-order" in wanted:
         start = time.monotonic()
         scn = aux_order(ROW_REQUESTS)

@@ -317,6 +317,20 @@ def _abort_survived(result) -> bool:
             and not any(r.thread_errors for r in result.requests))
 
 
+# The one n/a row of ``nixl_rows`` where nixl-ext passes through to SGLang's classes.
+PASSTHROUGH_ROW = "nixl-ext routes to stock classes on this release"
+
+# Why a scenario with a test-only manager hook is "n/a" outside a source checkout
+# (``nixl_rows`` and ``selftest --list``).
+NO_HOOKS_WHY = ("no source checkout: the fault hook (test/support/prefill_faults.py) "
+                "that makes a manager method raise is not in the wheel")
+
+
+def passthrough_reason(policy) -> str:
+    """The note of ``PASSTHROUGH_ROW``: the release and its support."""
+    return f"SGLang {policy.version}: {policy.support.value}"
+
+
 def nixl_scenarios(policy) -> list:
     """The built-in NIXL scenarios of ``policy``'s release: F11's where it is live (0.5.22, 0.5.23), F13's
     (with :func:`_f13_rows`) where that is (0.5.13-0.5.21), else F4's.

@@ -16,6 +16,12 @@ from typing import Dict, List, Optional
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.rows import make_row
+from sglang_disagg_ext.selftest.scenarios.nixl_newest import (
+    NO_HOOKS_WHY,
+    PASSTHROUGH_ROW,
+    nixl_scenarios,
+    passthrough_reason,
+)
 
 
 def _row(name, stock, ext, verified, seconds, fix: str = "F4", **extra) -> Dict:
@@ -53,20 +59,21 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
     transfer = dataclasses.asdict((options or TransferOptions()).validated())
     policy = releases.current_policy()
     if not policy.routes("nixl"):
+        # The one n/a row stands for the NIXL scenarios: shown only when one of them was asked for.
+        if names is not None and not set(names) & {b.name for b in nixl_scenarios(policy)}:
+            return []
         return [
             _row(
-                "nixl-ext routes to stock classes on this release",
+                PASSTHROUGH_ROW,
                 "n/a",
                 "n/a",
                 False,
                 0.0,
-                note=f"SGLang {policy.version}: {policy.support.value}",
+                note=passthrough_reason(policy),
             )
         ]
     from sglang_disagg_ext.selftest.harness.run import run_scenario
     from sglang_disagg_ext.selftest.runner import prefill_fault_hooks
-
-    from sglang_disagg_ext.selftest.scenarios.nixl_newest import nixl_scenarios
 
     builtins = nixl_scenarios(policy)
     hooks = prefill_fault_hooks()
@@ -81,8 +88,7 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             continue
         if (builtin.prefill_hook or builtin.decode_hook) and hooks is None:
             rows.append(_row(builtin.name, "n/a", "n/a", False, 0.0, fix=builtin.fix,
-                             why="no source checkout: the fault hook (test/support/prefill_faults.py) "
-                                 "that makes a manager method raise is not in the wheel"))
+                             why=NO_HOOKS_WHY))
             continue
         start = time.monotonic()
         scenario = builtin.build()
