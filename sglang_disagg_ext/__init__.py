@@ -7,4 +7,4 @@ entry point. Layers, bottom up: ``core`` (pure logic, no SGLang import),
 ``-ext`` names), ``releases`` (every per-release difference).
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
