@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from sglang_disagg_ext import backend_table
-
-# reStructuredText markup the docstrings use (``literal``, :func:`name`): --help shows them as plain text.
-_RST_LITERAL = re.compile(r"(?::[a-z]+:)?``?([^`]+?)``?")
-
-
-def plain_text(text):
-    """``text`` (a docstring used as --help text) with its reStructuredText markup taken off."""
-    return _RST_LITERAL.sub(r"\1", text) if text else text
+from sglang_disagg_ext.help_text import plain_text
 
 
 def _positive(kind, what: str):

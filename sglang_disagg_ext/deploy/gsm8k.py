@@ -203,7 +203,7 @@ def run_eval(url: str, opts: EvalOptions, workdir: Path, timeout: float, label: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+    from sglang_disagg_ext.help_text import plain_text  # --help shows the docstring without its RST markup
 
     p = argparse.ArgumentParser(prog="gsm8k", description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

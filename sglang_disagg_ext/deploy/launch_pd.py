@@ -55,7 +55,7 @@ def default_run_dir() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+    from sglang_disagg_ext.help_text import plain_text  # --help shows the docstring without its RST markup
 
     parser = argparse.ArgumentParser(
         prog="launch_pd", description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter

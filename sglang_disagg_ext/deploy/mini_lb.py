@@ -193,7 +193,7 @@ def parse_prefill(values: List[str]) -> Tuple[str, int]:
 
 
 def main(argv=None) -> int:
-    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+    from sglang_disagg_ext.help_text import plain_text  # --help shows the docstring without its RST markup
 
     parser = argparse.ArgumentParser(prog="mini_lb", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

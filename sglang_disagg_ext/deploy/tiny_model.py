@@ -108,7 +108,7 @@ def write_tiny_model(folder, with_weights: bool = False) -> Path:
 
 
 def main(argv=None) -> int:
-    from sglang_disagg_ext.cli import plain_text  # --help shows the docstring without its RST markup
+    from sglang_disagg_ext.help_text import plain_text  # --help shows the docstring without its RST markup
 
     parser = argparse.ArgumentParser(prog="tiny_model", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
