@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import shlex
 import signal
 import sys
@@ -126,17 +125,21 @@ def _split(what: str, text: str) -> List[str]:
         raise DeployError(f"{what} is not a valid shell-quoted string: {exc}") from None
 
 
-# A Hugging Face Hub repo id as huggingface_hub's validate_repo_id accepts it, with the
-# namespace required: "org/name", each part of word characters, '-' and '.', not starting or
-# ending with '-' or '.', at most 96 characters. A leading '/', '.' or '~' never matches, so
-# every path-looking argument stays a path.
-_HUB_PART = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
-_HUB_ID = re.compile(rf"{_HUB_PART}/{_HUB_PART}", re.ASCII)
-
-
 def looks_like_hub_id(text: str) -> bool:
-    return (bool(_HUB_ID.fullmatch(text)) and "--" not in text and ".." not in text
-            and not text.endswith(".git"))
+    """Whether ``text`` is a Hugging Face Hub repo id with its namespace ("org/name"), as
+    huggingface_hub itself validates one (SGLang depends on it). A leading '/', '.' or '~'
+    never passes, so every path-looking argument stays a path."""
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # no huggingface_hub: SGLang could not fetch it either
+        return False
+    if text.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def resolve_model_arg(text: str) -> Tuple[str, bool]:
