@@ -125,6 +125,12 @@ MOONCAKE_NO_HOOKS_WHY = ("no source checkout: the fault hook (test/support/prefi
                          "that makes a transfer-path thread raise is not in the wheel")
 
 
+def mooncake_hook_not_run_reason(builtin, hooks: Optional[str]) -> Optional[str]:
+    """Why a Mooncake scenario is "n/a" here for want of its fault hook (``hooks``: the hook
+    file, or None outside a source checkout), else None; one rule for the run and ``--list``."""
+    return MOONCAKE_NO_HOOKS_WHY if getattr(builtin, "prefill_hook", "") and hooks is None else None
+
+
 def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] = None,
                   names: Optional[List[str]] = None, ext_only: bool = False) -> List[Dict]:
     from sglang_disagg_ext.selftest.harness.run import run_scenario
@@ -139,11 +145,11 @@ def mooncake_rows(policy, timeout_s: float, options: Optional[TransferOptions] =
         if start_failure:
             rows.append(not_run_row(builtin.name, builtin.fix, "mooncake", start_failure))
             continue
-        hook = getattr(builtin, "prefill_hook", "")
-        if hook and hooks is None:
-            rows.append(make_row(builtin.name, builtin.fix, "mooncake", "n/a", "n/a", False, 0.0,
-                                 why=MOONCAKE_NO_HOOKS_WHY))
+        why = mooncake_hook_not_run_reason(builtin, hooks)
+        if why:
+            rows.append(make_row(builtin.name, builtin.fix, "mooncake", "n/a", "n/a", False, 0.0, why=why))
             continue
+        hook = getattr(builtin, "prefill_hook", "")
         if hook:
             transfer_run = dict(transfer, extra_env={"SGLANG_HARNESS_PREFILL_HOOK": f"{hooks}:{hook}"})
         else:
@@ -271,19 +277,15 @@ def list_rows(backends: List[str], options: Optional[TransferOptions] = None) ->
     if "mooncake" in backends:
         hooks = prefill_fault_hooks()
         for b in mooncake_scenarios(policy):
-            add(b.name, b.fix, "mooncake",
-                MOONCAKE_NO_HOOKS_WHY if getattr(b, "prefill_hook", "") and hooks is None else None)
+            add(b.name, b.fix, "mooncake", mooncake_hook_not_run_reason(b, hooks))
     if "nixl" in backends:
         from sglang_disagg_ext.selftest.scenarios import nixl_newest
 
         hooks = prefill_fault_hooks()
         routes = policy.routes("nixl")
         for b in nixl_newest.nixl_scenarios(policy):
-            why = None
-            if not routes:
-                why = f"{nixl_newest.PASSTHROUGH_ROW} ({nixl_newest.passthrough_reason(policy)})"
-            elif (b.prefill_hook or b.decode_hook) and hooks is None:
-                why = nixl_newest.NO_HOOKS_WHY
+            why = (f"{nixl_newest.PASSTHROUGH_ROW} ({nixl_newest.passthrough_reason(policy)})" if not routes
+                   else nixl_newest.hook_not_run_reason(b, hooks))
             add(b.name, b.fix, "nixl", why)
     if "mori" in backends:
         from sglang_disagg_ext.selftest.scenarios import mori, mori_newest

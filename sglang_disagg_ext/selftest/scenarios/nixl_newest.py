@@ -51,6 +51,7 @@ before any code F11 is about runs). Expected texts are written out by hand:
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from sglang_disagg_ext.selftest.harness.scenario import (
     KVPoolSpec,
@@ -324,6 +325,12 @@ PASSTHROUGH_ROW = "nixl-ext routes to stock classes on this release"
 # (``nixl_rows`` and ``selftest --list``).
 NO_HOOKS_WHY = ("no source checkout: the fault hook (test/support/prefill_faults.py) "
                 "that makes a manager method raise is not in the wheel")
+
+
+def hook_not_run_reason(builtin, hooks) -> Optional[str]:
+    """Why ``builtin`` is "n/a" here for want of the test-only hooks (``hooks``: their file, or
+    None outside a source checkout), else None; one rule for the run and for ``--list``."""
+    return NO_HOOKS_WHY if (builtin.prefill_hook or builtin.decode_hook) and hooks is None else None
 
 
 def passthrough_reason(policy) -> str:

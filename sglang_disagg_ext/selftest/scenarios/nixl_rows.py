@@ -17,8 +17,8 @@ from typing import Dict, List, Optional
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.rows import make_row
 from sglang_disagg_ext.selftest.scenarios.nixl_newest import (
-    NO_HOOKS_WHY,
     PASSTHROUGH_ROW,
+    hook_not_run_reason,
     nixl_scenarios,
     passthrough_reason,
 )
@@ -86,9 +86,9 @@ def nixl_rows(timeout_s: Optional[float] = None, names: Optional[List[str]] = No
             rows.append(_row(builtin.name, "fail", "fail", False, 0.0, fix=builtin.fix,
                              ext_detail=f"not run: {start_failure}"))
             continue
-        if (builtin.prefill_hook or builtin.decode_hook) and hooks is None:
-            rows.append(_row(builtin.name, "n/a", "n/a", False, 0.0, fix=builtin.fix,
-                             why=NO_HOOKS_WHY))
+        why = hook_not_run_reason(builtin, hooks)
+        if why:
+            rows.append(_row(builtin.name, "n/a", "n/a", False, 0.0, fix=builtin.fix, why=why))
             continue
         start = time.monotonic()
         scenario = builtin.build()
