@@ -76,6 +76,10 @@ class SoakConfig:
     max_pages: int = 6  # KV pages per request: 1 .. max_pages
     seed: int = 0
     request_s: float = 30.0  # bound on each wave, each side
+    # SGLang's own waiting and bootstrap timeouts in the workers (Timeouts.sglang_*): a room
+    # nobody ends ends Failed on SGLang's clock after this, so it must stay under request_s.
+    # A soak whose verdict needs no timeout to fire gives a loaded machine more room here.
+    sglang_timeout_s: float = 8.0
     # Kill the decode worker in the middle wave (SIGKILL, half its metadata sent) and
     # start a new one for the waves after it (Scenario.restart_decode_in_wave); needs
     # at least 3 waves.
@@ -113,6 +117,8 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
         raise ValueError(f"soak needs requests >= 1 and wave >= 2, got {cfg.requests}, {cfg.wave}")
     if not 0 <= cfg.fault_rate + cfg.bad_rate < 1:
         raise ValueError(f"fault_rate + bad_rate must be in [0, 1), got {cfg.fault_rate} + {cfg.bad_rate}")
+    if not 0 < cfg.sglang_timeout_s < cfg.request_s:
+        raise ValueError(f"sglang_timeout_s must be in (0, request_s {cfg.request_s}), got {cfg.sglang_timeout_s}")
     if engine not in ("mooncake", "nixl"):
         raise ValueError(f"soak engine must be mooncake or nixl, got {engine!r}")
     if cfg.multi_rank and cfg.fault_rate > 0 and engine == "mooncake":
@@ -171,7 +177,8 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
         dropped_kv_pages=dropped if drop_pages else [],
         fail_every_nth_post=max(2, round(1 / cfg.fault_rate)) if engine == "nixl" and cfg.fault_rate > 0 else 0,
         restart_decode_in_wave=cfg.restart_wave(),
-        timeouts=Timeouts(request_s=cfg.request_s),
+        timeouts=Timeouts(request_s=cfg.request_s, sglang_waiting_s=cfg.sglang_timeout_s,
+                          sglang_bootstrap_s=cfg.sglang_timeout_s),
     )
 
 

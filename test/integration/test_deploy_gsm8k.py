@@ -1,9 +1,11 @@
 """scripts/gsm8k.py: data-file checks, reading run_eval's metrics, failure paths, PD vs colocated comparison.
 
-The end-to-end comparison runs SGLang's real ``sglang.test.few_shot_gsm8k.run_eval``
+The PD-vs-colocated comparison runs SGLang's real ``sglang.test.few_shot_gsm8k.run_eval``
 against two stand-in servers (``test/support/sglang_standin``, real HTTP server
-processes): a real SGLang server cannot run on this CPU-only machine. Expected
-metrics are counted by hand from the canned answers.
+processes) with canned answers, so that the two accuracies differ by a known amount,
+which a random-weight model cannot give (it scores about zero on both sides). Expected
+metrics are counted by hand from the canned answers. The command against real SGLang
+servers and their router: test/servers/test_gsm8k_pipeline.py (``make e2e``).
 """
 
 import json

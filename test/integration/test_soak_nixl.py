@@ -61,7 +61,11 @@ def _f4_classes_routed() -> bool:
 
 @pytest.mark.timeout(180)
 def test_nixl_ext_soak_fails_exactly_the_bad_requests():
-    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 16, seed=11, restart_decode=False)
+    # No request here needs SGLang's timeouts to end (bad ones are refused), so they get 20 s:
+    # in one CI run on 0.5.23, under the full suite's load, no room of the first wave left
+    # Bootstrapping within the default 8 s (every later wave did), and all 32 failed.
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 16, seed=11, restart_decode=False,
+                          sglang_timeout_s=20.0)
     scn = soak.make_scenario(cfg, name="soak-nixl-ext")
     res = run_scenario(scn, "nixl-ext", extra_env=soak.soak_env("nixl-ext"))
     s = soak.judge(scn, res)

@@ -73,7 +73,10 @@ def test_soak_config_is_checked():
         soak.make_scenario(soak.SoakConfig(requests=10, wave=1))
     with pytest.raises(ValueError):
         soak.make_scenario(soak.SoakConfig(fault_rate=0.6, bad_rate=0.5))
+    with pytest.raises(ValueError, match="sglang_timeout_s must be in"):
+        soak.make_scenario(soak.SoakConfig(request_s=12.0, sglang_timeout_s=12.0))
     scn = soak.make_scenario(soak.SoakConfig(requests=8, wave=8))
+    assert (scn.timeouts.sglang_waiting_s, scn.timeouts.sglang_bootstrap_s, scn.timeouts.request_s) == (8.0, 8.0, 30.0)
     scn.requests[0].fault = "cosmic ray"
     with pytest.raises(ScenarioError, match="fault 'cosmic ray'"):
         scn.validate()
