@@ -110,8 +110,11 @@ def test_stock_reports_success_before_the_metadata_lands_ext_never():
     stale = [r for r in stock.requests if f12.stale_rows(r)]
     # The bug's signature: decode polled Success while its metadata row was the sentinel.
     assert stale, stock.describe(logs=False)
-    assert any("aux buffer 0 page 0: expected prefill page 0's bytes, found the sentinel" in m
-               for m in stock.requests[0].mismatches), stock.describe(logs=False)
+    # Request i moves prefill row i % 8 to its own decode row i (aux_order), and that row still
+    # holds the sentinel. Which requests show it depends on the machine's load (in one CI run on
+    # 0.5.20 request 0's row landed in time and 198 later ones did not): none is singled out.
+    assert any(f"aux buffer 0 page {r.index}: expected prefill page {r.index % 8}'s bytes, found the sentinel" in m
+               for r in stale for m in r.mismatches), stock.describe(logs=False)
 
     ext = f12.run(scn, "mori-ext", "delay_aux_rows")
     assert ext.prefill_manager == EXT_MANAGER == ext.decode_manager, ext.describe(logs=False)

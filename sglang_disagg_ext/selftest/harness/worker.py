@@ -666,6 +666,8 @@ class Worker:
         each is sent, then all are polled to a final state, as a scheduler holding
         that many requests does. Decode checks the wave's bytes, then resets its pools."""
         self._threads_at_start = {t.ident: t.name for t in threading.enumerate()}
+        if self.role == "prefill":
+            self._wait_decode_setup()
         self.result["waves"] = []
         for w, indices in enumerate(self.scn.waves()):
             if w < self.args.first_wave:
@@ -714,6 +716,30 @@ class Worker:
                 if ident not in {t.ident for t in threading.enumerate()}
             )
             self.write_result()
+
+    def _wait_decode_setup(self) -> None:
+        """Prefill, before its first wave: wait until decode has finished its setup (its
+        result file exists: decode writes it first once its manager is built and every
+        prefill rank is ready), for at most ``startup_s``; a decode that failed in setup
+        ends the wait at once.
+
+        Each sender starts SGLang's bootstrap clock when it is made. Without this wait
+        prefill's first wave started as soon as prefill itself was ready, so its clocks also
+        counted decode's remaining start-up (imports, pools, manager) and not only the
+        transfer: on a loaded machine that lag passed the 8 s bootstrap timeout and every
+        room of the first wave failed (a CI run on 0.5.23, NIXL soak), while the later
+        waves, which wait for decode's previous wave (``_wait_decode_wave``), passed."""
+        if not self.args.peer_result:
+            return
+        deadline = time.monotonic() + self.scn.timeouts.startup_s
+        while time.monotonic() < deadline:
+            try:
+                with open(self.args.peer_result) as f:
+                    json.load(f)
+                self.mark("decode_set_up")
+                return
+            except (OSError, ValueError):
+                time.sleep(0.02)
 
     def _wait_decode_wave(self, w: int) -> None:
         """Prefill: start the next wave once decode has finished wave ``w`` (its result
