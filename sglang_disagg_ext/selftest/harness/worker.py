@@ -719,9 +719,9 @@ class Worker:
 
     def _wait_decode_setup(self) -> None:
         """Prefill, before its first wave: wait until decode has finished its setup (its
-        result file exists: decode writes it first once its manager is built and every
-        prefill rank is ready), for at most ``startup_s``; a decode that failed in setup
-        ends the wait at once.
+        result file shows its manager: decode writes it first once setup is done, every
+        prefill rank ready), for at most ``startup_s``; a decode that failed in setup
+        ends the wait at once (``_wait_ready``, the wait decode makes for prefill).
 
         Each sender starts SGLang's bootstrap clock when it is made. Without this wait
         prefill's first wave started as soon as prefill itself was ready, so its clocks also
@@ -731,15 +731,11 @@ class Worker:
         waves, which wait for decode's previous wave (``_wait_decode_wave``), passed."""
         if not self.args.peer_result:
             return
-        deadline = time.monotonic() + self.scn.timeouts.startup_s
-        while time.monotonic() < deadline:
-            try:
-                with open(self.args.peer_result) as f:
-                    json.load(f)
-                self.mark("decode_set_up")
-                return
-            except (OSError, ValueError):
-                time.sleep(0.02)
+        try:
+            _wait_ready([self.args.peer_result], time.monotonic() + self.scn.timeouts.startup_s)
+        except (RuntimeError, TimeoutError):
+            return  # decode failed in setup or never came: its rooms end as they would have
+        self.mark("decode_set_up")
 
     def _wait_decode_wave(self, w: int) -> None:
         """Prefill: start the next wave once decode has finished wave ``w`` (its result
