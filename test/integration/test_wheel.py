@@ -90,7 +90,8 @@ def test_selftest_from_the_wheel_runs_or_names_each_row(wheel_install, tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "sglang_disagg_ext.cli", "selftest", "--backend", "mooncake", "--backend", "mori",
          "--scenario", "swa 3 vs 2 pages", "--scenario", "mori-hybrid-state",
-         "--scenario", "transfer worker raises, then a good request", "--json"],
+         "--scenario", "transfer worker raises, then a good request", "--json",
+         "--timeout", "150"],  # per run; the 60 s default is an operator's bound, not CI-under-load's
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360,
     )
     assert out.returncode == 0, out.stderr[-3000:]
