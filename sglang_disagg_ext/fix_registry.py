@@ -84,6 +84,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (_SCN + "nixl.py",), (_IT + "test_nixl_swa_tp.py",), "docs/nixl.md"),
     FixEntry("F14", (), (_BACK + "common/prefill_pairing.py", _BACK + "common/compose.py"), (),
              (), ("test/unit/test_prefill_pairing.py", "test/servers/test_pd_faults.py"), "docs/fixes.md"),
+    FixEntry("F15", (_CORE + "bootstrap_screen.py",), (_BACK + "nixl/bootstrap_screen.py",), (),
+             (), ("test/unit/test_bootstrap_screen.py", _IT + "test_nixl_bootstrap_screen.py"), "docs/nixl.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

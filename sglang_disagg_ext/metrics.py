@@ -33,6 +33,9 @@ Names (all prefixed ``sglang_disagg_ext_``):
 * ``thread_recoveries_total``: transfer-path loops re-entered after an
   exception (F8 on Mooncake; F11: NIXL's bootstrap thread after a failed
   registration, its decode listener after a failed status message), by ``role`` and ``thread``.
+* ``bootstrap_messages_dropped_total``: F15, messages NIXL prefill's bootstrap
+  thread would have died of (foreign, short, malformed, unparsable), dropped before
+  stock's loop, by ``backend`` and ``reason``.
 * ``session_probes_total``: F6 probes of a Mooncake decode session after a failed
   transfer, by ``fix`` and ``result`` (``alive``: the session stays usable;
   ``dead``: marked failed, as stock marks it).
@@ -75,6 +78,9 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Requests the plugin ended Failed after the transfer started", ("fix", "reason")),
     "thread_recoveries_total": (
         "counter", "Transfer-path loops re-entered after an unexpected exception (F8, F11)", ("role", "thread")),
+    "bootstrap_messages_dropped_total": (
+        "counter", "Messages on prefill's bootstrap socket that stock's loop would have died of, dropped (F15)",
+        ("backend", "reason")),
     "session_probes_total": (
         "counter", "Decode sessions probed after a failed transfer before being marked failed (F6)", ("fix", "result")),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),

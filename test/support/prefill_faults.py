@@ -139,3 +139,32 @@ def lose_first_transfer(mgr) -> None:
         return stock(bootstrap_room, *args, **kwargs)
 
     mgr.add_transfer_request = add_transfer_request
+
+
+# What ``send_bad_bootstrap_messages`` sends, one message of each kind stock's NIXL bootstrap loop
+# dies of (0.5.23 nixl/conn.py:3379-3395), and the reason label F15 counts each under.
+NIXL_GUARD = b"NixlMsgGuard"
+BAD_BOOTSTRAP_MESSAGES = (
+    ("foreign", [b"GET / HTTP/1.1\r\nHost: prefill\r\n\r\n"]),  # first frame not GUARD: AssertionError
+    ("short", [NIXL_GUARD, b"1000"]),  # frames [3] read: IndexError
+    ("malformed", [NIXL_GUARD, b"room-7", b"127.0.0.1", b"1", b"stray-agent"]),  # int(room): ValueError
+    ("registration", [NIXL_GUARD, b"None", b"127.0.0.1", b"1", b"stray-agent", b"\x01\x02\x03"]),  # from_zmq
+)
+
+
+def send_bad_bootstrap_messages(mgr) -> None:
+    """NIXL prefill: before any decode registers, one message of each kind in
+    ``BAD_BOOTSTRAP_MESSAGES`` arrives on the manager's own bootstrap socket, from a PUSH socket
+    of this hook's (as another service or a peer of another version would send them). Returns
+    when ZMQ has delivered them (``Context.term`` waits for the queued messages)."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(f"tcp://{mgr.local_ip}:{mgr.rank_port}")
+        for _, frames in BAD_BOOTSTRAP_MESSAGES:
+            sock.send_multipart(frames)
+        sock.close(linger=10_000)
+    finally:
+        ctx.term()

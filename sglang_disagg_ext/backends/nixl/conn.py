@@ -99,6 +99,7 @@ from sglang_disagg_ext.core.head_slice import (
     resolve_total_kv_heads,
     transfer_requests,
 )
+from sglang_disagg_ext.backends.nixl.bootstrap_screen import BootstrapScreenMixin
 from sglang_disagg_ext.backends.common.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.index_bounds import check_destination
 from sglang_disagg_ext.core.nixl_notif import aux_room, failure_tag, parse_failure_tag, with_sender_id
@@ -307,7 +308,7 @@ def _host_device_ids(descs):
 # --- manager ---------------------------------------------------------------------------
 
 
-class NixlExtKVManager(NixlKVManager):
+class NixlExtKVManager(BootstrapScreenMixin, NixlKVManager):
     """See the module docstring."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):

@@ -59,6 +59,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, metrics
+from sglang_disagg_ext.backends.nixl.bootstrap_screen import BootstrapScreenMixin
 from sglang_disagg_ext.backends.nixl.registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.common.shared import report_trim
 from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_indices, state_kind_name
@@ -67,7 +68,7 @@ from sglang_disagg_ext.core.thread_survival import failure_reason
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
-class NixlHeadSlicedKVManager(RegistrationRefusalMixin, NixlKVManager):
+class NixlHeadSlicedKVManager(RegistrationRefusalMixin, BootstrapScreenMixin, NixlKVManager):
     """Stock 0.5.22/0.5.23 NIXL manager with F11; see the module docstring."""
 
     refusal_fix = "F11"

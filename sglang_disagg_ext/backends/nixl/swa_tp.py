@@ -63,6 +63,7 @@ from typing import Dict, List, Optional
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
 from sglang_disagg_ext import activation_log, releases
+from sglang_disagg_ext.backends.nixl.bootstrap_screen import BootstrapScreenMixin
 from sglang_disagg_ext.backends.nixl.registration import RegistrationRefusalMixin
 from sglang_disagg_ext.backends.common.shared import report_trim
 from sglang_disagg_ext.core.head_slice import (
@@ -78,7 +79,7 @@ from sglang_disagg_ext.core.state_plan import ComponentPlan, Route, align_state_
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 
-class NixlSwaTpKVManager(RegistrationRefusalMixin, NixlKVManager):
+class NixlSwaTpKVManager(RegistrationRefusalMixin, BootstrapScreenMixin, NixlKVManager):
     """Stock 0.5.13-0.5.21 NIXL manager with F13; see the module docstring."""
 
     refusal_fix = "F13"

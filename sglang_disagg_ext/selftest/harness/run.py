@@ -127,6 +127,9 @@ class ScenarioResult:
     # dropped-write fault (``harness.faults``) and how many engine calls it failed.
     waves: Dict[str, List[Dict[str, Any]]] = dataclasses.field(default_factory=dict)
     threads_died: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
+    # Per worker: every exception that ended one of its threads, whenever it happened (each
+    # request's ``thread_errors`` holds only those from its own start on).
+    thread_errors: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
     dropped_writes: Optional[Dict[str, Any]] = None
     # Per prefill worker: what its test hook reported (``worker._run_prefill_hook``), where it reports.
     prefill_hook_reports: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -587,6 +590,7 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     result.sglang_ranks = {name: side[name].get("sglang_ranks", {}) for name in names}
     result.waves.update({name: side[name]["waves"] for name in names if "waves" in side[name]})
     result.threads_died.update({name: side[name]["threads_died"] for name in names if "threads_died" in side[name]})
+    result.thread_errors = {name: side[name].get("thread_errors", []) for name in names}
     result.dropped_writes = _merge_fault_reports([side[n].get("dropped_writes") for n in prefills])
     result.prefill_hook_reports = {n: side[n]["prefill_hook_report"] for n in prefills
                                    if "prefill_hook_report" in side[n]}
