@@ -209,5 +209,9 @@ SCENARIOS = [
         _bad_state,
         passed=_refused_then_served("bad swa state page, then 3 good"),
         signature=_stock_signature,
+        # Up to 0.5.16 stock serves all four with Success (_unchecked_state_signature): its run
+        # gets the long bounds; a loaded CI leg (0.5.12.post1) once sent request 3 in 4.4 s, past
+        # STOCK_TIMEOUTS' 4 s waiting timeout.
+        stock_reports_success=lambda: not releases.features().stock_mooncake_checks_state_send,
     ),
 ]
