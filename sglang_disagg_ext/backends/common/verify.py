@@ -252,6 +252,11 @@ class VerifiedTransferMixin:
     """Verified transfers over SGLang's common status codec; see the module docstring.
     Cooperative, outermost; an engine adapter subclasses it and feeds ``_verify_add_blocks``."""
 
+    # First frames of the plugin's own messages to prefill's bootstrap socket that this class's
+    # ``_handle_abort_notification`` takes where stock's loop offers it decode's messages
+    # (``releases.stock_bootstrap_reads_notices``); F15's screen hands them on.
+    plugin_bootstrap_tags = (NOTICE_TAG,)
+
     def __init__(self, *args, **kwargs):
         """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
         process). The stock constructor starts the transfer and status threads, which

@@ -29,7 +29,6 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.backends.common.shared import FilteringSocket
-from sglang_disagg_ext.backends.common.verify import NOTICE_TAG
 from sglang_disagg_ext.core.bootstrap_screen import screen
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
@@ -44,6 +43,10 @@ _MAX_LOGGED = 256
 class BootstrapScreenMixin:
     """F15: see the module docstring. Cooperative; last before ``NixlKVManager`` in the bases."""
 
+    # Tags of the plugin's own messages that this class's ``_handle_abort_notification`` takes
+    # (the verified-transfer mixin, in front of this one, names its mismatch notice).
+    plugin_bootstrap_tags = ()
+
     def _start_bootstrap_thread(self, *args, **kwargs):
         """Stock's bootstrap thread, reading through the screen.
 
@@ -54,12 +57,11 @@ class BootstrapScreenMixin:
         stock starts, and hand stock's loop every message it can handle, unchanged.
         """
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
-            # The verified-transfer mixin's mismatch notice reaches stock's loop only where that loop
-            # offers decode's messages to ``_handle_abort_notification`` (which the mixin overrides);
-            # elsewhere the mixin's own filter, inside this one, has taken it, and with verification
-            # off nothing takes it: stock's loop would die of it.
-            notices = hasattr(self, "_verify_notice") and releases.stock_bootstrap_reads_notices(type(self))
-            self._f15_passed = _STAGING_TAGS + ((NOTICE_TAG,) if notices else ())
+            # The plugin's own messages reach stock's loop only where that loop offers decode's
+            # messages to ``_handle_abort_notification``, which takes them; elsewhere the plugin's
+            # own filter, inside this one, has taken them already.
+            offered = releases.stock_bootstrap_reads_notices(type(self))
+            self._f15_passed = _STAGING_TAGS + (tuple(self.plugin_bootstrap_tags) if offered else ())
             self._f15_logged = set()  # read and written by the bootstrap thread only
             self.server_socket = FilteringSocket(self.server_socket, self._f15_screen, logger)
         return super()._start_bootstrap_thread(*args, **kwargs)
