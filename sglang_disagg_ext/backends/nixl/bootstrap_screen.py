@@ -9,8 +9,9 @@ Bootstrapping: for ever up to 0.5.17 (NIXL's sender has no bootstrap deadline th
 
 Here the thread reads its socket through a filter (:class:`.shared.FilteringSocket`) that asks
 :func:`core.bootstrap_screen.screen`, with stock's own parsers, whether stock's loop could
-handle the message. One that it could not is dropped before the loop sees it: one ERROR per
-sender and kind (later ones at DEBUG), ``bootstrap_messages_dropped_total{backend,reason}``,
+handle the message. One that it could not is dropped before the loop sees it: an ERROR naming
+the sender, at most one per kind a minute with the count held back in between (the project's
+``core.rate_limit.EveryInterval``), ``bootstrap_messages_dropped_total{backend,reason}``,
 and where it names a room this prefill holds, that room ends Failed with the reason (SGLang's
 own path tells decode). Every other message reaches stock's loop unchanged.
 
@@ -30,14 +31,14 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.backends.common.shared import FilteringSocket
 from sglang_disagg_ext.core.bootstrap_screen import screen
+from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 logger = logging.getLogger("sglang_disagg_ext.nixl")
 
 # Staging's messages, which stock's loop handles before its GUARD assert (0.5.13+).
 _STAGING_TAGS = (b"WATERMARK", b"STAGING_RSP")
-# Distinct (sender, kind) pairs logged at ERROR; a peer sending garbage under ever-new names
-# must not grow this without bound.
-_MAX_LOGGED = 256
+# Keyed by kind only (a handful): a peer sending garbage under ever-new names grows nothing.
+_LOG_INTERVAL_S = 60.0
 
 
 class BootstrapScreenMixin:
@@ -62,7 +63,7 @@ class BootstrapScreenMixin:
             # own filter, inside this one, has taken them already.
             offered = releases.stock_bootstrap_reads_notices(type(self))
             self._f15_passed = _STAGING_TAGS + (tuple(self.plugin_bootstrap_tags) if offered else ())
-            self._f15_logged = set()  # read and written by the bootstrap thread only
+            self._f15_log = EveryInterval(_LOG_INTERVAL_S)
             self.server_socket = FilteringSocket(self.server_socket, self._f15_screen, logger)
         return super()._start_bootstrap_thread(*args, **kwargs)
 
@@ -73,14 +74,12 @@ class BootstrapScreenMixin:
         if rejection is None:
             return None
         metrics.count("bootstrap_messages_dropped_total", backend="nixl", reason=rejection.kind)
-        key = (rejection.sender, rejection.kind)
-        first = key not in self._f15_logged and len(self._f15_logged) < _MAX_LOGGED
-        if first:
-            self._f15_logged.add(key)
-        text = ("nixl-ext (F15): prefill bootstrap socket (engine rank %s): dropped %s from %s; stock's bootstrap "
-                "thread would have died of it")
-        args = (getattr(self.kv_args, "engine_rank", "?"), rejection.detail, rejection.sender or "an unknown sender")
-        (logger.error if first else logger.debug)(text, *args)
+        held_back = self._f15_log.admit(rejection.kind)
+        if held_back is not None:
+            logger.error("nixl-ext (F15): prefill bootstrap socket (engine rank %s): dropped %s from %s; stock's "
+                         "bootstrap thread would have died of it (%d more of this kind since the last such line)",
+                         getattr(self.kv_args, "engine_rank", "?"), rejection.detail,
+                         rejection.sender or "an unknown sender", held_back)
         room = rejection.room
         if room is not None and room in self.request_status and self.check_status(room) != KVPoll.Success:
             self.record_failure(room, f"nixl-ext (F15): decode's bootstrap message could not be read: "
