@@ -206,7 +206,7 @@ def activate(ext_name: str) -> None:
         if ext_classes:
             from sglang_disagg_ext.backends.common import compose as common_fixes
 
-            ext_classes = common_fixes.compose(ext_classes, package, backend_table.BY_NAME[base].manager_class, policy)
+            ext_classes = common_fixes.compose(ext_classes, package, backend_table.BY_NAME[base], policy)
         for attr, cls in ext_classes.items():
             key = (package_name, attr)
             _replaced.setdefault(key, getattr(package, attr))

@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -168,6 +168,8 @@ FIX_TITLES = {
     "requests with the reason; the decode server keeps serving every other prefill",
     "F15": "NIXL prefill: a foreign or malformed message on the bootstrap socket is dropped (one ERROR, counted; "
     "the room it names, if any, Failed with the reason) instead of ending the bootstrap thread",
+    "F16": "A second live request with a bootstrap room already in use is refused on both sides with a reason; "
+    "the request holding the room is untouched and no scheduler thread raises",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -187,6 +189,7 @@ FIX_BACKEND = {
     "F13": "nixl",
     "F14": "all",
     "F15": "nixl",
+    "F16": "all",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -320,23 +323,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -353,7 +356,11 @@ _ACTIVE_RELEASES = {
 # :3355-3426; 0.5.21+ wrap it in bootstrap_thread_guarded, which logs and re-raises); its family
 # follows the loop (ABORT handled from 0.5.16), the stock outcome (sender bootstrap deadline from
 # 0.5.18), how decode hears a Failed room (0.5.20) and which plugin class carries it (F4's up to
-# 0.5.12.x, F13's, F11's from 0.5.22). A release not in this table claims nothing (policy_for).
+# 0.5.12.x, F13's, F11's from 0.5.22). F16 (a second live request with a bootstrap room already in
+# use): no wheel 0.5.10.post1-0.5.23 refuses it under the default decode allocation policy
+# (check_status indexes request_status[room] in every one; 0.5.22 and 0.5.23 refuse a duplicate
+# receiver only under the prefill_complete allocation policy, common/conn.py:2500-2507 in 0.5.23, and then fail
+# the holder's shared room too): live everywhere. A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
 _PASS_THROUGH_END = Version("0.5.24")  # exclusive: 0.5.23.postN is still in
@@ -1328,25 +1335,25 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "server_args_resolution": ("activation",), "server_args_resolve_once": ("activation",),
     "server_args_mooncake_ib_device": (), "server_args_decode_retraction_backup": (),
     "paged_allocator_serves_cpu": (),
-    "kv_status_codec": ("F6", "F9"), "mooncake_conclude_failure": ("F6", "F8", "F9"),
+    "kv_status_codec": ("F6", "F9", "F16"), "mooncake_conclude_failure": ("F6", "F8", "F9", "F16"),
     "mooncake_send_probe": ("F6",), "stock_mooncake_checks_state_send": ("F6",),
-    "mooncake_aux_count_check": ("F9",), "mooncake_registration_hooks": ("F6", "F9"),
+    "mooncake_aux_count_check": ("F9",), "mooncake_registration_hooks": ("F6", "F9", "F16"),
     "mori_status_codec": (), "mori_unique_prefill_rank": (),
     "nixl_refuses_dsv4_state": (), "nixl_empty_transfer_is_dummy": (), "nixl_empty_state_lists_wait": (),
     "nixl_success_via_notifications_only": ("F11", "F13"), "nixl_success_via_listener_only": ("F11",),
     "mori_registration_hook": ("F12",), "dcp_relayout_check": ("F11", "F13"),
-    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15"), "mori_sender_notifies_status": ("F3", "F12"),
+    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15", "F16"), "mori_sender_notifies_status": ("F3", "F12"),
     "mori_conclude_room_failure": ("F3", "F12"), "mori_registration_frames": ("F12",),
     "runtime_context": (), "runtime_context_publish": (), "runtime_context_spawn_ranks": (),
     "metadata_buffers_sampling_mask": ("F10",), "metadata_buffers_kv_checksum": ("F9",),
     "decode_status_handler": ("F10",), "decode_queue_release_request": ("F10",),
     "metadata_gate_function": ("F10",), "metadata_gate_needs_server_args": ("F10",),
     "pd_kv_layout": (), "kv_transfer_buf_infos": (), "build_kv_layer_ids": (),
-    "stock_nixl_slice_uses_total_heads": ("F4", "F13"), "stock_nixl_slice_maps_decode_replicas_by_modulo": ("F4", "F13", "F15"),
-    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15"),
+    "stock_nixl_slice_uses_total_heads": ("F4", "F13"), "stock_nixl_slice_maps_decode_replicas_by_modulo": ("F4", "F13", "F15", "F16"),
+    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15", "F16"),
     "stock_nixl_prep_serves_decode_replicas": ("F4", "F13"), "nixl_is_dummy_method": ("F11", "F13"),
-    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15"), "nixl_conclude_failure": ("F11", "F13", "F15"),
-    "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4",),
+    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16"),
+    "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4", "F16"),
     "nsa_pool": ("F5",), "stock_f5": ("F5",),
 }
 

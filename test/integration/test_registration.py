@@ -153,17 +153,24 @@ def test_every_importer_sees_the_route(loaded, tiny_model_dir, policy):
         else "sglang.srt.disaggregation.mooncake.conn"
     )
     assert manager.__module__ == expected
-    # Sender and bootstrap server stay SGLang's for mooncake. The receiver too, except
-    # where F6 is live without SGLang's registration hook (0.5.10.post1-0.5.12.x): there
-    # the plugin's receiver adds decode's pool sizes to the registration message.
-    for kind in (utils.KVClassType.SENDER, utils.KVClassType.BOOTSTRAP_SERVER):
-        assert utils.get_kv_class(backend, kind).__module__ == "sglang.srt.disaggregation.mooncake.conn"
+    # The bootstrap server stays SGLang's for mooncake. Sender and receiver are SGLang's too, with
+    # F16's room claims in front where F16 is live (a class of backends.common.room_claims over
+    # SGLang's). The receiver is the plugin's own where F6 is live without SGLang's registration
+    # hook (0.5.10.post1-0.5.12.x): there it adds decode's pool sizes to the registration message
+    # (F16 composed over it keeps its module).
+    stock = "sglang.srt.disaggregation.mooncake.conn"
+    claimed = "sglang_disagg_ext.backends.common.room_claims" if policy.is_live("F16") else stock
+    assert utils.get_kv_class(backend, utils.KVClassType.BOOTSTRAP_SERVER).__module__ == stock
+    sender = utils.get_kv_class(backend, utils.KVClassType.SENDER)
+    assert sender.__module__ == claimed
+    import sglang.srt.disaggregation.mooncake.conn as stock_conn
+
+    assert issubclass(sender, stock_conn.MooncakeKVSender)
     receiver = utils.get_kv_class(backend, utils.KVClassType.RECEIVER)
     own_receiver = (policy.routes("mooncake") and (policy.is_live("F6") or policy.is_live("F9"))
                     and not releases.features().mooncake_registration_hooks)
-    assert receiver.__module__ == (
-        "sglang_disagg_ext.backends.mooncake.peers" if own_receiver else "sglang.srt.disaggregation.mooncake.conn"
-    )
+    assert receiver.__module__ == ("sglang_disagg_ext.backends.mooncake.peers" if own_receiver else claimed)
+    assert issubclass(receiver, stock_conn.MooncakeKVReceiver)
 
 
 class _BackendComparison(ast.NodeVisitor):

@@ -22,7 +22,7 @@ import cpu_servers as cs  # noqa: E402
 from sglang_disagg_ext import releases  # noqa: E402
 
 # Modules in this order: token equality before the faults disturb the servers.
-ORDER = ("test_pd_nixl.py", "test_pd_tokens.py", "test_gsm8k_pipeline.py", "test_pd_faults.py")
+ORDER = ("test_pd_nixl.py", "test_pd_tokens.py", "test_gsm8k_pipeline.py", "test_pd_rooms.py", "test_pd_faults.py")
 
 
 def pytest_collection_modifyitems(config, items):

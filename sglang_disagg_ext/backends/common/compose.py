@@ -6,12 +6,15 @@ class gets the live engine-independent mixins in front of it (outermost first). 
 
 * F14 (``prefill_pairing``): decode refuses a prefill it cannot pair with instead of raising on
   its scheduler thread.
+* F16 (``room_claims``): the sender and receiver classes (the engine's own routed ones, else
+  SGLang's) refuse a second live request with a bootstrap room already in use.
 """
 
 from __future__ import annotations
 
 from typing import Dict
 
+from sglang_disagg_ext.backend_table import Backend
 from sglang_disagg_ext.releases import ReleasePolicy
 
 
@@ -24,8 +27,16 @@ def _mixins(policy: ReleasePolicy) -> tuple:
     return tuple(mixins)
 
 
-def compose(classes: Dict[str, type], package, manager_attr: str, policy: ReleasePolicy) -> Dict[str, type]:
-    """``classes`` (attribute -> class to route) with the manager under ``manager_attr`` wrapped."""
+def compose(classes: Dict[str, type], package, backend: Backend, policy: ReleasePolicy) -> Dict[str, type]:
+    """``classes`` (attribute -> class to route) with ``backend``'s manager, sender and receiver
+    wrapped by the live engine-independent fixes."""
+    if policy.is_live("F16"):
+        from sglang_disagg_ext.backends.common.room_claims import with_room_claims
+
+        classes = dict(classes)
+        for attr, side in ((backend.sender_class, "prefill"), (backend.receiver_class, "decode")):
+            classes[attr] = with_room_claims(classes.get(attr) or getattr(package, attr), side)
+    manager_attr = backend.manager_class
     mixins = _mixins(policy)
     if not mixins:
         return classes

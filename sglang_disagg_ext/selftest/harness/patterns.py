@@ -211,15 +211,17 @@ def wave_expectations(
     Returns (per room, untargeted): for each request that ended Success, pool id ->
     its writes (nothing else checked there); and pool id -> every page no request
     of the wave targets, which must still hold the sentinel. Pages of a request that
-    did not succeed are in neither: what landed there before it failed is not checked.
+    did not succeed are in neither: what landed there before it failed is not checked;
+    with ``scn.shared_rooms`` they are untargeted (a refused duplicate must write nothing).
     """
     names = pool_names(scn)
     per_room: Dict[int, Dict[int, PoolExpectation]] = {}
     targeted: Dict[int, set] = {pid: set() for pid in names}
     for index, status in statuses.items():
         pairs = request_pairs(scn, index)
-        for pid, pages in _targeted(scn, index).items():
-            targeted[pid] |= pages
+        if status == "Success" or not scn.shared_rooms:
+            for pid, pages in _targeted(scn, index).items():
+                targeted[pid] |= pages
         if status != "Success":
             continue
         per_room[index] = {}

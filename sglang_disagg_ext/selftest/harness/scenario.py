@@ -224,6 +224,10 @@ class Scenario:
     # the metadata of half its requests, and the harness starts a new decode process
     # (a new engine and session, registering afresh) that serves the waves after it.
     restart_decode_in_wave: Optional[int] = None
+    # Requests may name the same bootstrap room (``RequestSpec.room``): F16's duplicates, in one
+    # wave so that both are live at once. Then the pages of a request that did not succeed must
+    # still hold the sentinel (``patterns.wave_expectations``): a refused request writes nothing.
+    shared_rooms: bool = False
 
     @property
     def fails_posts(self) -> bool:
@@ -304,7 +308,7 @@ class Scenario:
         rooms = set()
         for r, req in enumerate(self.requests):
             room = self.room_of(r)
-            if room in rooms:
+            if room in rooms and not self.shared_rooms:
                 raise ScenarioError(f"{self.name}: request {r} reuses bootstrap room {room}")
             rooms.add(room)
             _check_pages(self, f"request {r} src_kv_pages", req.src_kv_pages, self.kv.num_pages)

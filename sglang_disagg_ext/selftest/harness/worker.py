@@ -706,7 +706,7 @@ class Worker:
             for rec in recs:
                 rec["timed_out"] = rec["status"] not in FINAL
                 if rec["status"] == "Failed" or rec["error"]:
-                    rec["failure_reason"] = self.ss.failure_reason(self.mgr, rec["room"])
+                    rec["failure_reason"] = self.ss.failure_reason(self.mgr, rec.get("object_room", rec["room"]))
                 rec["log"] = []
                 rec["thread_errors"] = self.thread_errors.since(t0)
             wave["seconds"] = round(_now() - t0, 3)
@@ -851,6 +851,9 @@ class Worker:
                 rec["status"] = None if st == POLL_RAISED else st
         ends = self._poll_all_timed({i: objs[i] for i in started}, deadline)
         for i, rec in zip(indices, recs):
+            # The room SGLang's object was built with: the request's own, except for a
+            # duplicate F16 refused (a private room, where its failure reason is recorded).
+            rec["object_room"] = getattr(objs[i], "bootstrap_room", rec["room"])
             if i in started:
                 rec["status"], t_end = ends[i]
                 rec["seconds"] = round(t_end - started[i], 4)

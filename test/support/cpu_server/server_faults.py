@@ -12,14 +12,19 @@ take it consumes the file (renamed to ``fired-<fault>``, so the test sees it fir
   from KV buffer 0 has every bf16 value's sign flipped (XOR 0x80 on each odd byte), restored
   right after the call: decode receives one wrong page, prefill's pool stays right, and a
   digest taken before the engine saw the right bytes;
-* ``fail-write``: the call writes nothing and returns -1, as the engine does when a write fails.
+* ``fail-write``: the call writes nothing and returns -1, as the engine does when a write fails;
+* ``hold-write``: the call waits until the test writes ``release-hold-write`` (at most
+  ``HOLD_MAX_S``), then writes as stock does: the request stays in transfer on both servers
+  (prefill's sender and decode's receiver live) for as long as the test needs.
 """
 
 import ctypes
 import os
 import threading
+import time
 
-FAULTS = ("corrupt-kv-page", "fail-write")
+FAULTS = ("corrupt-kv-page", "fail-write", "hold-write")
+HOLD_MAX_S = 60.0
 
 _mu = threading.Lock()
 
@@ -46,6 +51,10 @@ def _shadow(mgr, fault_dir: str) -> None:
     def batch_transfer_sync(session_id, src_addrs, dst_addrs, lengths, *args, **kwargs):
         if _take(fault_dir, "fail-write"):
             return -1
+        if _take(fault_dir, "hold-write"):
+            deadline = time.monotonic() + HOLD_MAX_S
+            while not os.path.exists(os.path.join(fault_dir, "release-hold-write")) and time.monotonic() < deadline:
+                time.sleep(0.05)
         block = next((i for i, src in enumerate(src_addrs) if kv_start <= src < kv_start + kv_len), None)
         if block is None or not _take(fault_dir, "corrupt-kv-page"):
             return stock(session_id, src_addrs, dst_addrs, lengths, *args, **kwargs)
