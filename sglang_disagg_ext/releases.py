@@ -1197,6 +1197,13 @@ def stock_callable(cls: type, name: str):
     raise AttributeError(f"{cls.__name__}.{name}")
 
 
+def class_defines(cls: type, name: str) -> bool:
+    """Whether SGLang's class ``cls`` (or a base) defines ``name``. Some schedulers call a
+    per-request method only where it exists (0.5.11 prefill: ``clear`` under ``hasattr``;
+    NIXL's sender has none there), so an override must not call a ``super()`` that is absent."""
+    return any(name in klass.__dict__ for klass in cls.__mro__)
+
+
 def nsa_pool_class() -> Optional[type]:
     """SGLang's ``NSATokenToKVPool`` class, or ``None`` where the release has none."""
     from sglang.srt.mem_cache import memory_pool

@@ -30,7 +30,7 @@ import itertools
 import logging
 from typing import Optional
 
-from sglang_disagg_ext import metrics
+from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 from sglang_disagg_ext.core.room_claims import RoomClaims
 
@@ -68,6 +68,8 @@ class RoomClaimMixin:
     _f16_refusal: Optional[str] = None  # set on a refused request: its reason
     _f16_refused_room: Optional[int] = None  # the room it asked for (its object holds a private one)
     _f16_room: Optional[int] = None  # set on a holder: the room it claimed
+    # Of the optional methods overridden here, those SGLang's class defines (with_room_claims).
+    _f16_base_defines: frozenset = frozenset()
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room=None, *args, **kwargs):
         """Contract: SGLang makes one per request on the scheduler thread when the request arrives
@@ -147,16 +149,20 @@ class RoomClaimMixin:
         """Contract: scheduler thread, when the client or SGLang aborts the request. A refused
         request is Failed already and holds nothing; SGLang's abort would record and publish a
         status for its private room."""
-        if self._f16_refusal is not None:
+        if self._f16_refusal is not None or "abort" not in self._f16_base_defines:
             return None
         return super().abort()
 
     def clear(self):
         """Contract: scheduler thread, when the request leaves the transfer queues (maybe more
-        than once). SGLang's clear drops the manager's entries for this object's room (the
-        private one for a refused request); the holder then gives its room up."""
+        than once; up to 0.5.11 prefill calls it only where it exists, and NIXL's sender has
+        none there: then only the claim goes). SGLang's clear drops the manager's entries for
+        this object's room (the private one for a refused request); the holder then gives its
+        room up."""
         try:
-            return super().clear()
+            if "clear" in self._f16_base_defines:
+                return super().clear()
+            return None
         finally:
             if self._f16_room is not None:
                 claims_of(self.kv_mgr, self._f16_side).release(self._f16_room, self)
@@ -175,6 +181,7 @@ def with_room_claims(base: type, side: str) -> type:
     return type(name, (RoomClaimMixin, base), {
         "__init__": __init__,
         "_f16_side": side,
+        "_f16_base_defines": frozenset(m for m in ("abort", "clear") if releases.class_defines(base, m)),
         "__module__": base.__module__ if ours else __name__,
         "__qualname__": base.__qualname__ if ours else name,
         "__doc__": f"{base.__doc__} With RoomClaimMixin (F16).",
