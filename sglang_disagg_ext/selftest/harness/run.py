@@ -300,7 +300,9 @@ def default_timeout(scn: Scenario) -> float:
     n_children = scn.prefill_tp + scn.decode_tp
     # A wave's requests run side by side: each wave is bounded like one request.
     restart = t.startup_s if scn.restart_decode_in_wave is not None else 0.0
-    return t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2) + restart
+    delays = sum(r.decode_metadata_delay_s for r in scn.requests)
+    return (t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2) + restart
+            + delays)
 
 
 def rank_names(scn: Scenario) -> List[str]:

@@ -122,6 +122,10 @@ class RequestSpec:
     # dst_pages) may lie outside decode's pools, for tests of what a backend
     # does with such a request. Nothing is expected at such an index.
     allow_out_of_pool: bool = False
+    # Decode waits this long, once bootstrapped, before it sends its metadata (a decode whose
+    # pre-allocation waited for KV memory): with a prefill bootstrap timeout shorter than
+    # this, prefill has dropped the room by the time decode's metadata arrives (F17).
+    decode_metadata_delay_s: float = 0.0
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.
     fault: Optional[str] = None
@@ -323,6 +327,9 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} fault {req.fault!r} not one of {REQUEST_FAULTS}")
             if req.send_chunks < 1:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
+            if req.decode_metadata_delay_s < 0 or (req.decode_metadata_delay_s and self.wave > 1):
+                raise ScenarioError(f"{self.name}: request {r} decode_metadata_delay_s must be >= 0, "
+                                    f"and is for one-at-a-time scenarios only (wave {self.wave})")
             if len(req.state) != len(self.state_pools):
                 raise ScenarioError(
                     f"{self.name}: request {r} lists {len(req.state)} state components, "

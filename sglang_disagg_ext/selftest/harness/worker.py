@@ -530,6 +530,9 @@ class Worker:
         self._rank_barrier()
         rec["phases"]["barrier"] = round(time.time(), 3)
         if state == "WaitingForInput":
+            if req.decode_metadata_delay_s:
+                time.sleep(req.decode_metadata_delay_s)
+                deadline += req.decode_metadata_delay_s
             t_send = time.monotonic()
             rec["phases"]["send"] = round(time.time(), 3)
             receiver.send_metadata(

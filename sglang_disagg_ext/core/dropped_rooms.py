@@ -1,0 +1,83 @@
+"""Rooms a prefill gave up before decode's metadata for them arrived (F17).
+
+Pure: no SGLang, no torch. A prefill request waits in Bootstrapping for
+decode's page lists; at SGLang's bootstrap timeout (or an abort) prefill ends it
+Failed and tells decode nothing, because it has no decode address for the room
+yet. When that decode's metadata arrives later (its pre-allocation waited for
+KV memory, say), SGLang's prefill bootstrap thread stores it for a room no
+request will ever serve, and decode holds the request's KV pages until its own
+waiting timeout (300 s by default). This table remembers such rooms for a while,
+so that the late metadata can be answered with Failed at once.
+
+A room is *dropped* when prefill fails it while still waiting for decode, and
+*reopened* when a new request opens the same room (bootstrap rooms are the
+client's to pick; reuse after the first request ended is legitimate). Entries
+expire after ``ttl_s`` and the table holds at most ``capacity`` rooms (oldest
+first out), so a stream of abandoned requests cannot grow it without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Optional, Tuple
+
+
+def dropped_reason(room: int, why: Optional[str]) -> str:
+    """What decode is told (and logs) for a room prefill dropped: names the room and prefill's reason."""
+    cause = why or "it ended Failed while waiting for decode"
+    return (f"prefill had already dropped bootstrap_room {room} before decode's metadata for it arrived "
+            f"({cause}); decode releases the request now instead of holding its KV pages until its waiting timeout")
+
+
+class DroppedRooms:
+    """Recently dropped rooms of one prefill manager. Thread-safe: the scheduler thread drops
+    and reopens rooms, the bootstrap thread asks."""
+
+    def __init__(self, ttl_s: float = 3600.0, capacity: int = 65536,
+                 clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0 or capacity <= 0:
+            raise ValueError(f"ttl_s and capacity must be > 0, got ttl_s={ttl_s}, capacity={capacity}")
+        self.ttl_s = float(ttl_s)
+        self.capacity = int(capacity)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # room -> (time dropped, prefill's reason), oldest first
+        self._rooms: "collections.OrderedDict[int, Tuple[float, Optional[str]]]" = collections.OrderedDict()
+
+    def drop(self, room: int, why: Optional[str]) -> None:
+        now = self._clock()
+        with self._lock:
+            self._rooms.pop(room, None)
+            self._rooms[room] = (now, why)
+            self._expire(now)
+            while len(self._rooms) > self.capacity:
+                self._rooms.popitem(last=False)
+
+    def reopen(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def refusal(self, room: int) -> Optional[str]:
+        """The reason to refuse decode's metadata for ``room``, or None (not dropped, or expired).
+
+        The entry stays until it expires or the room is reopened: each decode rank of the
+        room sends its own metadata and each must be told."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            entry = self._rooms.get(room)
+        return None if entry is None else dropped_reason(room, entry[1])
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire(self._clock())
+            return len(self._rooms)
+
+    def _expire(self, now: float) -> None:
+        while self._rooms:
+            room, (t, _) = next(iter(self._rooms.items()))
+            if now - t < self.ttl_s:
+                return
+            self._rooms.popitem(last=False)
