@@ -89,7 +89,7 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
     FixEntry("F16", (_CORE + "room_claims.py",), (_BACK + "common/room_claims.py", _BACK + "common/compose.py"), (),
              (), ("test/unit/test_room_claims.py", _IT + "test_duplicate_rooms.py"), "docs/fixes.md"),
     FixEntry("F17", (_CORE + "dropped_rooms.py",), (_BACK + "mooncake/dropped_rooms.py",), (),
-             (), ("test/unit/test_dropped_rooms.py", _IT + "test_dropped_rooms.py"), "docs/fixes.md"),
+             (), ("test/unit/test_dropped_rooms.py", _IT + "test_mooncake_dropped_rooms.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

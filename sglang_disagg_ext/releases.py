@@ -171,8 +171,8 @@ FIX_TITLES = {
     "F16": "A second live request with a bootstrap room already in use is refused on both sides with a reason; "
     "the request holding the room is untouched and no scheduler thread raises",
     "F17": "Mooncake prefill: decode's metadata for a room prefill already dropped (its bootstrap timeout or an "
-    "abort) is answered with Failed and the reason at once, instead of decode holding the request's KV until "
-    "its waiting timeout",
+    "abort) is answered with Failed and the reason at once, and for a room no request opened, after a lease of "
+    "SGLang's bootstrap timeout, instead of decode holding the request's KV until its waiting timeout",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).

@@ -1,4 +1,4 @@
-"""Rooms a prefill gave up before decode's metadata for them arrived (F17).
+"""Rooms a prefill gave up before decode's metadata arrived, and rooms it never admitted (F17).
 
 Pure: no SGLang, no torch. A prefill request waits in Bootstrapping for
 decode's page lists; at SGLang's bootstrap timeout (or an abort) prefill ends it
@@ -14,6 +14,13 @@ A room is *dropped* when prefill fails it while still waiting for decode, and
 client's to pick; reuse after the first request ended is legitimate). Entries
 expire after ``ttl_s`` and the table holds at most ``capacity`` rooms (oldest
 first out), so a stream of abandoned requests cannot grow it without bound.
+
+The other orphan: decode's metadata for a room prefill never admitted (the
+client's or router's request to prefill was refused before it reached the
+scheduler, or never sent). Stock stores it and marks the room WaitingForInput
+for ever (prefill's tables keep it), and decode waits out its waiting timeout.
+:class:`PendingRooms` holds such rooms with the decode ranks that wrote them,
+until a request opens the room or a lease runs out.
 """
 
 from __future__ import annotations
@@ -21,7 +28,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+
+def never_admitted_reason(room: int, waited_s: float) -> str:
+    """What decode is told for a room prefill never admitted within the lease."""
+    return (f"prefill never admitted bootstrap_room {room}: no request opened it within {waited_s:.1f}s of decode's "
+            f"metadata (SGLang's bootstrap timeout); decode releases the request instead of waiting out its "
+            f"waiting timeout")
 
 
 def dropped_reason(room: int, why: Optional[str]) -> str:
@@ -81,3 +95,31 @@ class DroppedRooms:
             if now - t < self.ttl_s:
                 return
             self._rooms.popitem(last=False)
+
+
+class PendingRooms:
+    """Rooms decode wrote metadata for before any request opened them on this prefill, with the
+    decode endpoints to tell. Not thread-safe: the caller serialises ``note`` against ``take``
+    (a request opening the room), so that a room is never released under a request."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._rooms: Dict[int, Tuple[float, Set[Tuple[str, int]]]] = {}
+
+    def note(self, room: int, target: Tuple[str, int]) -> None:
+        since, targets = self._rooms.setdefault(room, (self._clock(), set()))
+        targets.add(target)
+
+    def take(self, room: int) -> Optional[Set[Tuple[str, int]]]:
+        """The room's decode endpoints, taking it off the table (None: not pending)."""
+        entry = self._rooms.pop(room, None)
+        return None if entry is None else entry[1]
+
+    def expired(self, lease_s: float) -> List[Tuple[int, float]]:
+        """(room, seconds pending) of every room pending ``lease_s`` or longer, oldest first."""
+        now = self._clock()
+        return sorted(((room, now - since) for room, (since, _) in self._rooms.items() if now - since >= lease_s),
+                      key=lambda x: -x[1])
+
+    def __len__(self) -> int:
+        return len(self._rooms)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sglang_disagg_ext.core.dropped_rooms import DroppedRooms, dropped_reason
+from sglang_disagg_ext.core.dropped_rooms import DroppedRooms, PendingRooms, dropped_reason, never_admitted_reason
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,3 +61,30 @@ def test_capacity_drops_the_oldest_first_and_a_second_drop_renews_a_room():
 def test_bad_bounds_are_refused(ttl_s, capacity):
     with pytest.raises(ValueError, match="ttl_s and capacity must be > 0"):
         DroppedRooms(ttl_s=ttl_s, capacity=capacity)
+
+
+def test_a_pending_room_collects_its_decode_endpoints_and_expires_after_the_lease():
+    clock = Clock()
+    pending = PendingRooms(clock=clock)
+    pending.note(5, ("10.0.0.2", 7000))
+    clock.t += 1.0
+    pending.note(5, ("10.0.0.3", 7000))  # a second decode rank of the room: the first note's clock stays
+    pending.note(6, ("10.0.0.2", 7000))
+    assert pending.expired(2.0) == []
+    clock.t += 1.5  # room 5 pending 2.5 s, room 6 1.5 s
+    assert pending.expired(2.0) == [(5, 2.5)]
+    assert pending.expired(1.0) == [(5, 2.5), (6, 1.5)]  # oldest first
+    assert pending.take(5) == {("10.0.0.2", 7000), ("10.0.0.3", 7000)}
+    assert pending.take(5) is None and len(pending) == 1
+
+
+def test_a_room_a_request_opens_is_taken_off_before_its_lease():
+    pending = PendingRooms(clock=Clock())
+    pending.note(9, ("h", 1))
+    assert pending.take(9) == {("h", 1)}  # the request opened it
+    assert pending.expired(0.0) == []
+
+
+def test_the_never_admitted_reason_names_the_room_and_the_wait():
+    assert never_admitted_reason(12, 300.04).startswith(
+        "prefill never admitted bootstrap_room 12: no request opened it within 300.0s of decode's metadata")

@@ -126,6 +126,10 @@ class RequestSpec:
     # pre-allocation waited for KV memory): with a prefill bootstrap timeout shorter than
     # this, prefill has dropped the room by the time decode's metadata arrives (F17).
     decode_metadata_delay_s: float = 0.0
+    # False: prefill makes no sender for this request (the client's request to prefill was
+    # refused before its scheduler); decode sends its metadata as usual (F17's lease). Prefill
+    # records the status NOT_ADMITTED and waits for decode to end the room (or the bound).
+    prefill_admits: bool = True
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.
     fault: Optional[str] = None
@@ -327,6 +331,9 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} fault {req.fault!r} not one of {REQUEST_FAULTS}")
             if req.send_chunks < 1:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
+            if not req.prefill_admits and (self.wave > 1 or self.multi_rank):
+                raise ScenarioError(f"{self.name}: request {r} prefill_admits=False is for one-at-a-time, "
+                                    f"one-rank scenarios only")
             if req.decode_metadata_delay_s < 0 or (req.decode_metadata_delay_s and self.wave > 1):
                 raise ScenarioError(f"{self.name}: request {r} decode_metadata_delay_s must be >= 0, "
                                     f"and is for one-at-a-time scenarios only (wave {self.wave})")

@@ -34,6 +34,7 @@ T_START = time.monotonic()
 POLL_SLEEP_S = 0.002
 POLL_RAISED = "raised"  # wave runs: a poll() that raised (worker._poll_one)
 FINAL = ("Success", "Failed")
+NOT_ADMITTED = "NotAdmitted"  # prefill status of a request it never made a sender for
 PEER_GRACE_S = 3.0  # a live prefill reaches its final state well inside this after decode
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
 PREFILL_HOOK_ENV = "SGLANG_HARNESS_PREFILL_HOOK"
@@ -485,6 +486,14 @@ class Worker:
 
         req = self.scn.requests[index]
         deadline = time.monotonic() + self.scn.timeouts.request_s
+        if not req.prefill_admits:
+            # No sender: wait, as a scheduler that never saw the request, until decode ended the
+            # room (or the bound), so that the next request's bootstrap clock starts after it.
+            give_up = self._decode_gave_up(rec["room"])
+            while time.monotonic() < deadline and not (give_up is not None and give_up()):
+                time.sleep(0.1)
+            rec["status"] = NOT_ADMITTED
+            return
         sender = self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["sender_class"] = self.ss.class_name(sender)
         rec["phases"]["sender"] = round(time.time(), 3)

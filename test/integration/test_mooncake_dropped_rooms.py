@@ -1,4 +1,4 @@
-"""F17 on the real Mooncake engine (TCP, 127.0.0.1): decode's metadata for a room prefill already dropped.
+"""F17 on the real Mooncake engine (TCP, 127.0.0.1): decode's metadata for a room prefill dropped or never admitted.
 
 Three requests, one at a time. Request 0 is served as usual. For request 1 decode waits
 ``DELAY_S`` after bootstrapping before it sends its metadata (a decode whose pre-allocation
@@ -14,6 +14,13 @@ SGLang's waiting timeout at ``WAITING_S`` (300 s by default in SGLang).
 within ``REFUSED_WITHIN_S`` of sending it, with prefill's reason naming the room and the
 bootstrap timeout; nothing is written to its pages; requests 0 and 2 byte-verified; no
 thread died; ``requests_refused_total{fix="F17"}`` is 1 on prefill.
+
+The never-admitted room: the same three requests, but prefill makes no sender at all for
+request 1 (its request to prefill was refused before the scheduler) and decode sends its
+metadata at once. Stock: prefill stores it and marks the room WaitingForInput for ever; decode
+still waits at the bound. ``-ext``: after a lease of SGLang's bootstrap timeout with no request
+opening the room, prefill drops its entries and answers decode Failed with the reason (within
+the lease plus the sweeper's second and some slack).
 """
 
 import pytest
@@ -38,17 +45,20 @@ DELAY_S = 8.5  # decode's wait before sending request 1's metadata: past prefill
 WAITING_S = 120.0  # decode's waiting timeout: far past the bound, as SGLang's default 300 s is
 REQUEST_S = 10.0  # the harness bound per request and side (decode's counts from its metadata)
 REFUSED_WITHIN_S = 3.0
+LEASE_SLACK_S = 3.0  # the sweeper's one-second tick, and two cores shared by five processes
 RUN_BOUND_S = 240
 ROOM_BASE = 1700
 
 
-def _scenario(follow_up: bool) -> Scenario:
+def _scenario(follow_up: bool, never_admitted: bool = False) -> Scenario:
+    orphan = (dict(prefill_admits=False) if never_admitted else dict(decode_metadata_delay_s=DELAY_S))
     reqs = [RequestSpec(src_kv_pages=[1, 2], dst_kv_pages=[3, 4], aux_index=0),
-            RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1, decode_metadata_delay_s=DELAY_S)]
+            RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1, **orphan)]
     if follow_up:
         reqs.append(RequestSpec(src_kv_pages=[7, 8], dst_kv_pages=[11, 12], aux_index=2))
     return Scenario(
-        name="decode metadata after prefill dropped the room",
+        name="decode metadata for a room prefill never admitted" if never_admitted else
+        "decode metadata after prefill dropped the room",
         requests=reqs,
         kv=KVPoolSpec(num_pages=14),
         room_base=ROOM_BASE,
@@ -97,3 +107,37 @@ def test_ext_refuses_the_late_metadata_at_once_and_serves_on():
     print(f"-ext: room {dropped.room} Failed on decode {dropped.decode_seconds} s after its metadata: {reason}; "
           f"{len(dropped.mismatches)} of its pages checked, each the sentinel")
 
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(not BUG_LIVE, reason=f"F17's bug is not live on SGLang {POLICY.version}")
+def test_stock_decode_waits_for_a_room_prefill_never_admitted():
+    stock = run_scenario(_scenario(follow_up=False, never_admitted=True), "mooncake")
+    assert not stock.error, stock.describe()
+    first, orphan = stock.requests
+    assert first.ok, stock.describe()
+    assert orphan.prefill_status == "NotAdmitted", stock.describe()
+    assert orphan.decode_status == "WaitingForInput", stock.describe()
+    assert orphan.decode_seconds is not None and orphan.decode_seconds >= REQUEST_S - 1.0, stock.describe()
+    print(f"stock: decode still {orphan.decode_status} {orphan.decode_seconds} s after its metadata for room "
+          f"{orphan.room}, which no prefill request holds")
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(not POLICY.is_live("F17"), reason=f"F17 is not covered on SGLang {POLICY.version} (0.5.22+)")
+def test_ext_releases_a_room_never_admitted_after_the_lease_and_serves_on():
+    ext = run_scenario(_scenario(follow_up=True, never_admitted=True), "mooncake-ext")
+    assert not ext.error, ext.describe()
+    first, orphan, after = ext.requests
+    assert first.ok and after.ok, ext.describe()
+    assert (orphan.prefill_status, orphan.decode_status) == ("NotAdmitted", "Failed"), ext.describe()
+    assert orphan.decode_seconds is not None, ext.describe()
+    assert BOOTSTRAP_S - 0.5 <= orphan.decode_seconds < BOOTSTRAP_S + LEASE_SLACK_S, ext.describe()
+    reason = orphan.decode_failure_reason or ""
+    assert f"prefill never admitted bootstrap_room {orphan.room}" in reason, ext.describe()
+    assert orphan.mismatches and all("the sentinel (never written)" in m for m in orphan.mismatches), \
+        ext.describe()
+    assert ext.thread_errors == {"prefill": [], "decode": []}, ext.describe()
+    assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_requests_refused_total",
+                                fix="F17", reason="room never admitted by prefill") == 1.0, ext.describe()
+    print(f"-ext: room {orphan.room} Failed on decode {orphan.decode_seconds} s after its metadata: {reason}")
