@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "fails 1 in round(1/R) of its posts (default 1/16)")
     soak.add_argument("--bad-rate", type=_rate, default=1 / 32,
                       help="share of soak requests with a decode index outside the pool (default 1/32)")
+    soak.add_argument("--duplicate-rate", type=_rate, default=1 / 32,
+                      help="share of the valid soak requests that name the bootstrap room of an earlier one of "
+                           "their wave (F16; one rank a side only; default 1/32)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
     soak.add_argument("--no-restart", action="store_true",
                       help="keep the decode worker up (default: it is killed in the middle wave and restarted)")

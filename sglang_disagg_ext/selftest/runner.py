@@ -399,8 +399,12 @@ def soak_main(args, policy, options) -> int:
             print(f"[selftest] soak: SGLang {policy.version}'s {family}-ext does not send SWA state across TP "
                   f"sizes {tp[0]} -> {tp[1]}; KV and aux only", file=sys.stderr)
             state = False
+    duplicate_rate = getattr(args, "duplicate_rate", 0.0)
+    if duplicate_rate > 0 and tp != (1, 1):
+        print("[selftest] soak: several ranks a side: no duplicate rooms", file=sys.stderr)
+        duplicate_rate = 0.0
     cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=fault_rate,
-                          bad_rate=args.bad_rate, seed=args.seed,
+                          bad_rate=args.bad_rate, duplicate_rate=duplicate_rate, seed=args.seed,
                           restart_decode=not getattr(args, "no_restart", False) and tp == (1, 1),
                           prefill_tp=tp[0], decode_tp=tp[1], state=state)
     try:
@@ -410,7 +414,8 @@ def soak_main(args, policy, options) -> int:
         return 2
     backends = [f"{family}-ext"] if getattr(args, "ext_only", False) else [family, f"{family}-ext"]
     print(f"[selftest] soak on SGLang {policy.version}: {cfg.requests} requests, {cfg.wave} at a time, "
-          f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, seed {cfg.seed}, decode restarted "
+          f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, duplicate-room rate "
+          f"{cfg.duplicate_rate:g}, seed {cfg.seed}, decode restarted "
           f"{'in wave %d' % cfg.restart_wave() if cfg.restart_wave() is not None else 'never'}, "
           f"prefill TP {cfg.prefill_tp} -> decode TP {cfg.decode_tp}, "
           f"{'SWA state, ' if cfg.state else ''}KV and aux", file=sys.stderr)

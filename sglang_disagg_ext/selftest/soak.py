@@ -7,7 +7,9 @@ loopback, CPU pools) run ``requests`` requests ``wave`` at a time
 (``Scenario.wave``): random KV page maps and sizes, an SWA state component,
 one aux row each. A share ``fault_rate`` of requests target a decode KV page
 whose writes prefill's engine fails (``harness.faults``: a link that drops
-writes), a share ``bad_rate`` carry a decode KV index outside decode's pool.
+writes), a share ``bad_rate`` carry a decode KV index outside decode's pool, and a
+share ``duplicate_rate`` of the valid ones name the bootstrap room of an earlier valid
+request of their wave (F16: refused on both sides, writing nothing).
 The last wave is clean: after the faults, the same workers must serve it.
 
 What every request ended as is judged here from the workers' records, never by
@@ -65,6 +67,7 @@ SWA_WINDOW_PAGES = 2
 PREFILL_POOL_FACTOR = 4  # prefill KV pool: this many times decode's request region
 # Multi-rank soaks: KV (and SWA) heads of the model, so TP 2 holds one head a rank.
 KV_HEADS_MULTI_RANK = 2
+ROOM_BASE = 1000  # request i's bootstrap room is ROOM_BASE + i, unless it duplicates another's
 
 
 @dataclasses.dataclass
@@ -73,6 +76,9 @@ class SoakConfig:
     wave: int = 64
     fault_rate: float = 1 / 16  # requests whose decode page's writes the engine drops
     bad_rate: float = 1 / 32  # requests with a decode KV index outside the pool
+    # Requests that name the bootstrap room of an earlier valid request of their wave (F16),
+    # drawn from their own random stream so that the other requests stay what the seed made.
+    duplicate_rate: float = 0.0
     max_pages: int = 6  # KV pages per request: 1 .. max_pages
     seed: int = 0
     request_s: float = 30.0  # bound on each wave, each side
@@ -138,7 +144,7 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
     # decode is killed (its requests are lost with that decode whatever they carry).
     clean_waves = {n_waves - 1} if n_waves > 1 else set()
     clean_waves |= {cfg.restart_wave()} - {None}
-    requests = []
+    requests: List[RequestSpec] = []
     for index in range(cfg.requests):
         slot = index % cfg.wave
         clean = index // cfg.wave in clean_waves
@@ -164,6 +170,7 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
             state=[StateSpec(STATE_KIND, st_src, st_dst)] if cfg.state else [],
             allow_out_of_pool=fault == "bad_index", fault=fault,
         ))
+    duplicates = _add_duplicate_rooms(cfg, requests, clean_waves)
     heads = {"head_num": KV_HEADS_MULTI_RANK} if cfg.multi_rank else {}
     return Scenario(
         name=name,
@@ -177,9 +184,33 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
         dropped_kv_pages=dropped if drop_pages else [],
         fail_every_nth_post=max(2, round(1 / cfg.fault_rate)) if engine == "nixl" and cfg.fault_rate > 0 else 0,
         restart_decode_in_wave=cfg.restart_wave(),
+        room_base=ROOM_BASE,
+        shared_rooms=duplicates > 0,
         timeouts=Timeouts(request_s=cfg.request_s, sglang_waiting_s=cfg.sglang_timeout_s,
                           sglang_bootstrap_s=cfg.sglang_timeout_s),
     )
+
+
+def _add_duplicate_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves) -> int:
+    """Make a share ``duplicate_rate`` of the valid requests outside the clean waves name the
+    room of an earlier valid request of their wave (both live at once: F16's duplicate). The
+    duplicate keeps its own pages; it must be refused on both sides and write nothing, its
+    holder served as any valid request. Returns how many were made."""
+    if cfg.duplicate_rate <= 0:
+        return 0
+    if cfg.multi_rank:
+        raise ValueError("duplicate rooms run one rank a side only")
+    rng = random.Random(f"{cfg.seed}:duplicate rooms")
+    made = 0
+    for index, req in enumerate(requests):
+        w = index // cfg.wave
+        if w in clean_waves or rng.random() >= cfg.duplicate_rate or req.fault is not None:
+            continue
+        holders = [j for j in range(w * cfg.wave, index) if requests[j].fault is None]
+        if holders:
+            req.room, req.fault = ROOM_BASE + rng.choice(holders), "duplicate_room"
+            made += 1
+    return made
 
 
 OUTCOMES = ("ok", "failed_as_faulted", "failed_on_failed_post", "lost_with_decode", "collateral_failure",
@@ -242,7 +273,7 @@ def _percentile(xs: List[float], q: float) -> Optional[float]:
 def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     """The soak's summary and its verdict (``passed``), from the run's records."""
     counts = {o: 0 for o in OUTCOMES}
-    faults = {"engine": 0, "bad_index": 0}
+    faults = {"engine": 0, "bad_index": 0, "duplicate_room": 0}
     examples: Dict[str, str] = {}
     times = []
     clean_wave = set(scn.waves()[-1]) if len(scn.waves()) > 1 else set()
@@ -357,9 +388,10 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
             ("prefill TP -> decode TP", lambda s: f"{s['prefill_tp']} -> {s['decode_tp']}"),
             ("state", lambda s: ", ".join(s["state"]) or "none (KV, aux)"),
-            ("faults: engine / bad index", lambda s: (
+            ("faults: engine / bad index / dup room", lambda s: (
                 f"{s['engine_calls_failed']} posts (1 in {s['fail_every_nth_post']})" if s["fail_every_nth_post"]
-                else str(s["faults_injected"]["engine"])) + f" / {s['faults_injected']['bad_index']}"),
+                else str(s["faults_injected"]["engine"])) + f" / {s['faults_injected']['bad_index']}"
+                + f" / {s['faults_injected']['duplicate_room']}"),
             ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else
              f"wave {s['decode_killed_in_wave']}, " + ("restarted" if s["decode_restarted"] else "NOT restarted"))]
     rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]

@@ -11,7 +11,8 @@ the new decode's requests.
 Faults, where F6 is live (0.5.23): one request in 16 has one decode KV page whose
 writes prefill's engine fails (``harness.faults``: the engine object's transfer calls
 wrapped on the instance, the narrowest boundary; the engine itself is real), one in 32
-a decode KV index outside the pool (handed to SGLang's real ``send_metadata``). Stock
+a decode KV index outside the pool (handed to SGLang's real ``send_metadata``), one in 32
+of the rest the bootstrap room of an earlier valid request of its wave (F16's duplicate). Stock
 blacklists the decode session after the first failure and fails the valid requests after
 it; ``-ext`` fails exactly the faulted ones. Elsewhere F6 is not covered (``-ext`` is
 stock for it), so the soak runs without faults there: load only, every request Success
@@ -31,7 +32,7 @@ F6_LIVE = POLICY.is_live("F6")
 
 def _cfg(faults: bool) -> soak.SoakConfig:
     return soak.SoakConfig(requests=256, wave=32, fault_rate=1 / 16 if faults else 0.0,
-                           bad_rate=1 / 32 if faults else 0.0, seed=11)
+                           bad_rate=1 / 32 if faults else 0.0, duplicate_rate=1 / 32 if faults else 0.0, seed=11)
 
 
 @pytest.mark.skipif(not F6_LIVE, reason=f"F6 is not live on SGLang {POLICY.version}: no faulted soak")
@@ -42,6 +43,7 @@ def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
     assert ext["passed"], soak.format_summaries([ext])
     assert ext["outcomes"]["failed_as_faulted"] == sum(ext["faults_injected"].values()) > 0
     assert ext["engine_calls_failed"] >= ext["faults_injected"]["engine"] > 0
+    assert ext["faults_injected"]["duplicate_room"] > 0
     assert ext["decode_restarted"] and ext["outcomes"]["lost_with_decode"] == cfg.wave
     assert ext["outcomes"]["ok"] == (cfg.requests - ext["outcomes"]["failed_as_faulted"]
                                      - ext["outcomes"]["lost_with_decode"])
@@ -60,7 +62,7 @@ def test_load_soak_every_request_right():
     other waves ends Success with every byte right (the new decode included)."""
     s = soak.run_soak("mooncake-ext", _cfg(faults=False))
     assert s["passed"], soak.format_summaries([s])
-    assert s["faults_injected"] == {"engine": 0, "bad_index": 0}
+    assert s["faults_injected"] == {"engine": 0, "bad_index": 0, "duplicate_room": 0}
     # Wave 4 of 8: the decode worker is killed and a new one serves waves 5-7.
     assert s["decode_killed_in_wave"] == 4 and s["decode_restarted"]
     assert s["outcomes"]["lost_with_decode"] == 32 and s["outcomes"]["ok"] == 256 - 32

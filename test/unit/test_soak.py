@@ -28,6 +28,29 @@ from sglang_disagg_ext.selftest.harness.scenario import (
 pytestmark = pytest.mark.timeout(60)
 
 
+def test_duplicate_rooms_name_an_earlier_valid_request_of_their_wave_and_leave_the_rest_as_seeded():
+    base = soak.SoakConfig(requests=8, wave=4, fault_rate=0.0, bad_rate=0.0, seed=1, restart_decode=False)
+    plain = soak.make_scenario(base)
+    scn = soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "duplicate_rate": 1.0}))
+    scn.validate()
+    # Rate 1: in wave 0 requests 1, 2, 3 each take a room of an earlier valid request; once 1 and 2
+    # are duplicates, request 0 is the only valid one before them: all three name room 1000. Wave 1
+    # is the clean last wave: untouched.
+    assert [(r.room, r.fault) for r in scn.requests] == [(None, None)] + [(1000, "duplicate_room")] * 3 + [
+        (None, None)] * 4
+    assert scn.shared_rooms and not plain.shared_rooms
+    # Everything else is what the seed made without duplicates.
+    strip = [(r.src_kv_pages, r.dst_kv_pages, r.aux_index, r.state) for r in scn.requests]
+    assert strip == [(r.src_kv_pages, r.dst_kv_pages, r.aux_index, r.state) for r in plain.requests]
+    # A refused duplicate's pages must hold the sentinel; a failed holder's are not checked.
+    statuses = {0: "Failed", 1: "Failed", 2: "Success", 3: "Failed"}
+    per_room, untargeted = patterns.wave_expectations(scn, statuses)
+    kv = untargeted[KV_POOL_ID].sentinel_pages
+    assert not set(scn.requests[0].dst_kv_pages) & set(kv)  # the holder (first of room 1000): not checked
+    assert set(scn.requests[1].dst_kv_pages) <= set(kv) and set(scn.requests[3].dst_kv_pages) <= set(kv)
+    assert list(per_room) == [2]
+
+
 def test_generated_soak_keeps_its_promises():
     cfg = soak.SoakConfig(requests=200, wave=16, fault_rate=0.2, bad_rate=0.1, max_pages=5, seed=3)
     scn = soak.make_scenario(cfg)
@@ -182,7 +205,7 @@ def test_judge_counts_and_verdict():
         _rr(index=2, prefill_seconds=0.1), _rr(index=3, decode_seconds=0.3)])
     s = soak.judge(scn, good)
     assert s["passed"] and s["outcomes"]["ok"] == 3 and s["outcomes"]["failed_as_faulted"] == 1
-    assert s["faults_injected"] == {"engine": 1, "bad_index": 0}
+    assert s["faults_injected"] == {"engine": 1, "bad_index": 0, "duplicate_room": 0}
     # Request times: 0.5 (max of its sides), 0.1, 0.3 -> p50 0.3, max 0.5.
     assert s["p50_s"] == 0.3 and s["max_s"] == 0.5
     # The clean last wave (requests 2, 3) with one collateral failure: no pass.

@@ -212,14 +212,20 @@ def wave_expectations(
     its writes (nothing else checked there); and pool id -> every page no request
     of the wave targets, which must still hold the sentinel. Pages of a request that
     did not succeed are in neither: what landed there before it failed is not checked;
-    with ``scn.shared_rooms`` they are untargeted (a refused duplicate must write nothing).
+    with ``scn.shared_rooms`` those of a request whose room an earlier request of the scenario
+    names are untargeted (a refused duplicate must write nothing).
     """
     names = pool_names(scn)
     per_room: Dict[int, Dict[int, PoolExpectation]] = {}
     targeted: Dict[int, set] = {pid: set() for pid in names}
+    first_of_room: Dict[int, int] = {}
+    if scn.shared_rooms:
+        for i in range(len(scn.requests)):
+            first_of_room.setdefault(scn.room_of(i), i)
     for index, status in statuses.items():
         pairs = request_pairs(scn, index)
-        if status == "Success" or not scn.shared_rooms:
+        duplicate = scn.shared_rooms and first_of_room[scn.room_of(index)] != index
+        if status == "Success" or not duplicate:
             for pid, pages in _targeted(scn, index).items():
                 targeted[pid] |= pages
         if status != "Success":

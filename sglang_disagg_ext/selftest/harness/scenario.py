@@ -32,7 +32,7 @@ KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
 # What a soak request was made to suffer (``RequestSpec.fault``): "engine": one of
 # its decode KV pages is in ``Scenario.dropped_kv_pages``, whose writes prefill's
 # engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool.
-REQUEST_FAULTS = ("engine", "bad_index")
+REQUEST_FAULTS = ("engine", "bad_index", "duplicate_room")
 
 # A wave run's request record error starting with this: the SGLang call the worker
 # makes for the request (``send`` / ``send_metadata``) raised into its caller. In a
