@@ -30,7 +30,7 @@ prefill"``). A sweeper thread, one per prefill manager, checks once a second.
 Built on 0.5.22's ``_handle_abort_notification`` (the one call the bootstrap loop
 makes on every per-room decode message before it stores anything, returning
 whether the message was consumed) and ``send_kv_status_message``; older
-releases have neither, and F17 stays live there (``releases.FIX_ROWS``).
+releases have neither, and F17 is "live, not covered" there (the release table in ``releases``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ class DroppedRoomsMixin:
             time.sleep(SWEEP_INTERVAL_S)
             try:
                 lease_s = float(self.bootstrap_timeout)
-                for room, waited_s in self._f17_pending.expired(lease_s):
+                with self._f17_lock:
+                    expired = self._f17_pending.expired(lease_s)
+                for room, waited_s in expired:
                     with self._f17_lock:
                         targets = self._f17_pending.take(room)
                         if targets is None or claims_of(self, "prefill").holder(room) is not None:
