@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--duplicate-rate", type=_rate, default=1 / 32,
                       help="share of the valid soak requests that name the bootstrap room of an earlier one of "
                            "their wave (F16; one rank a side only; default 1/32)")
+    soak.add_argument("--orphan-rate", type=_rate, default=1 / 64,
+                      help="share of the valid soak requests prefill never admits (F17; Mooncake, one rank a "
+                           "side, where F17 is covered; default 1/64)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
     soak.add_argument("--no-restart", action="store_true",
                       help="keep the decode worker up (default: it is killed in the middle wave and restarted)")

@@ -9,7 +9,9 @@ one aux row each. A share ``fault_rate`` of requests target a decode KV page
 whose writes prefill's engine fails (``harness.faults``: a link that drops
 writes), a share ``bad_rate`` carry a decode KV index outside decode's pool, and a
 share ``duplicate_rate`` of the valid ones name the bootstrap room of an earlier valid
-request of their wave (F16: refused on both sides, writing nothing).
+request of their wave (F16: refused on both sides, writing nothing); and a share
+``orphan_rate`` (Mooncake) are never admitted by prefill: decode sends its metadata for
+a room no request on prefill opens, and must be told Failed (F17's lease).
 The last wave is clean: after the faults, the same workers must serve it.
 
 What every request ended as is judged here from the workers' records, never by
@@ -53,7 +55,9 @@ from typing import Any, Dict, List, Optional
 
 from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE, ScenarioResult, run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import (
+    NOT_ADMITTED,
     RAISED_INTO_CALLER,
+    REQUEST_FAULTS,
     KVPoolSpec,
     RequestSpec,
     Scenario,
@@ -79,6 +83,11 @@ class SoakConfig:
     # Requests that name the bootstrap room of an earlier valid request of their wave (F16),
     # drawn from their own random stream so that the other requests stay what the seed made.
     duplicate_rate: float = 0.0
+    # Requests prefill never admits (no sender; decode sends its metadata as usual: F17's
+    # lease), from their own random stream too. Mooncake, one rank a side. With any, SGLang's
+    # waiting timeout is twice ``sglang_timeout_s``, so that prefill's lease (its bootstrap
+    # timeout) ends the room before decode's own clock would.
+    orphan_rate: float = 0.0
     max_pages: int = 6  # KV pages per request: 1 .. max_pages
     seed: int = 0
     request_s: float = 30.0  # bound on each wave, each side
@@ -170,6 +179,7 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
             state=[StateSpec(STATE_KIND, st_src, st_dst)] if cfg.state else [],
             allow_out_of_pool=fault == "bad_index", fault=fault,
         ))
+    orphans = _add_orphan_rooms(cfg, requests, clean_waves, engine)
     duplicates = _add_duplicate_rooms(cfg, requests, clean_waves)
     heads = {"head_num": KV_HEADS_MULTI_RANK} if cfg.multi_rank else {}
     return Scenario(
@@ -186,9 +196,31 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
         restart_decode_in_wave=cfg.restart_wave(),
         room_base=ROOM_BASE,
         shared_rooms=duplicates > 0,
-        timeouts=Timeouts(request_s=cfg.request_s, sglang_waiting_s=cfg.sglang_timeout_s,
+        timeouts=Timeouts(request_s=cfg.request_s,
+                          sglang_waiting_s=cfg.sglang_timeout_s * (2 if orphans else 1),
                           sglang_bootstrap_s=cfg.sglang_timeout_s),
     )
+
+
+def _add_orphan_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves, engine: str) -> int:
+    """Make a share ``orphan_rate`` of the valid requests outside the clean waves ones prefill
+    never admits (``RequestSpec.prefill_admits``): decode must be told Failed (F17's lease),
+    not end the room on its own clock. Returns how many were made."""
+    if cfg.orphan_rate <= 0:
+        return 0
+    if cfg.multi_rank or engine != "mooncake":
+        raise ValueError("orphan rooms run on Mooncake, one rank a side only")
+    if 2 * cfg.sglang_timeout_s >= cfg.request_s:
+        raise ValueError(f"orphan rooms need request_s > 2 x sglang_timeout_s (decode's waiting timeout), "
+                         f"got {cfg.request_s} and {cfg.sglang_timeout_s}")
+    rng = random.Random(f"{cfg.seed}:orphan rooms")
+    made = 0
+    for index, req in enumerate(requests):
+        if index // cfg.wave in clean_waves or rng.random() >= cfg.orphan_rate or req.fault is not None:
+            continue
+        req.prefill_admits, req.fault = False, "never_admitted"
+        made += 1
+    return made
 
 
 def _add_duplicate_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves) -> int:
@@ -245,6 +277,13 @@ def outcome(req: RequestSpec, rr, on_killed_decode: bool = False) -> str:
         return "raised"  # into SGLang's caller (a scheduler loop), whatever the statuses say
     if on_killed_decode:
         return "lost_with_decode" if rr.prefill_status in final else "hung"
+    if req.fault == "never_admitted":
+        # Prefill made no sender: decode alone ends the room, and must have been told.
+        if rr.prefill_status != NOT_ADMITTED or rr.decode_status not in final:
+            return "hung"
+        if rr.decode_status == "Success":
+            return "fault_unreported"
+        return "failed_as_faulted" if decode_was_told(rr) else "decode_not_told"
     if rr.prefill_status not in final or rr.decode_status not in final:
         return "hung"
     if rr.prefill_status != rr.decode_status:
@@ -273,7 +312,7 @@ def _percentile(xs: List[float], q: float) -> Optional[float]:
 def judge(scn: Scenario, res: ScenarioResult) -> Dict[str, Any]:
     """The soak's summary and its verdict (``passed``), from the run's records."""
     counts = {o: 0 for o in OUTCOMES}
-    faults = {"engine": 0, "bad_index": 0, "duplicate_room": 0}
+    faults = {f: 0 for f in REQUEST_FAULTS}
     examples: Dict[str, str] = {}
     times = []
     clean_wave = set(scn.waves()[-1]) if len(scn.waves()) > 1 else set()
@@ -388,10 +427,10 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
             ("prefill TP -> decode TP", lambda s: f"{s['prefill_tp']} -> {s['decode_tp']}"),
             ("state", lambda s: ", ".join(s["state"]) or "none (KV, aux)"),
-            ("faults: engine / bad index / dup room", lambda s: (
+            ("faults: engine / bad / dup room / orphan", lambda s: (
                 f"{s['engine_calls_failed']} posts (1 in {s['fail_every_nth_post']})" if s["fail_every_nth_post"]
                 else str(s["faults_injected"]["engine"])) + f" / {s['faults_injected']['bad_index']}"
-                + f" / {s['faults_injected']['duplicate_room']}"),
+                + f" / {s['faults_injected']['duplicate_room']} / {s['faults_injected']['never_admitted']}"),
             ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else
              f"wave {s['decode_killed_in_wave']}, " + ("restarted" if s["decode_restarted"] else "NOT restarted"))]
     rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]

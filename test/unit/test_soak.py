@@ -51,6 +51,25 @@ def test_duplicate_rooms_name_an_earlier_valid_request_of_their_wave_and_leave_t
     assert list(per_room) == [2]
 
 
+def test_orphan_rooms_are_valid_requests_prefill_never_admits_and_decode_must_be_told():
+    base = soak.SoakConfig(requests=8, wave=4, fault_rate=0.0, bad_rate=0.0, seed=1, restart_decode=False)
+    scn = soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "orphan_rate": 1.0}))
+    scn.validate()
+    # Rate 1: every request of wave 0 (wave 1 is the clean last wave); decode's waiting timeout doubled.
+    assert [(r.prefill_admits, r.fault) for r in scn.requests] == [(False, "never_admitted")] * 4 + [(True, None)] * 4
+    assert scn.timeouts.sglang_waiting_s == 2 * base.sglang_timeout_s == 2 * scn.timeouts.sglang_bootstrap_s
+    with pytest.raises(ValueError, match="orphan rooms run on Mooncake"):
+        soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "orphan_rate": 1.0}), engine="nixl")
+    req = scn.requests[0]
+    told = RequestResult(index=0, room=1000, prefill_status="NotAdmitted", decode_status="Failed",
+                         decode_failure_reason="prefill never admitted bootstrap_room 1000: ...")
+    own_clock = RequestResult(index=0, room=1000, prefill_status="NotAdmitted", decode_status="Failed",
+                              decode_failure_reason="Request 1000 timed out after 16.0s in KVPoll.WaitingForInput")
+    waiting = RequestResult(index=0, room=1000, prefill_status="NotAdmitted", decode_status="WaitingForInput")
+    assert [soak.outcome(req, r) for r in (told, own_clock, waiting)] == [
+        "failed_as_faulted", "decode_not_told", "hung"]
+
+
 def test_generated_soak_keeps_its_promises():
     cfg = soak.SoakConfig(requests=200, wave=16, fault_rate=0.2, bad_rate=0.1, max_pages=5, seed=3)
     scn = soak.make_scenario(cfg)
@@ -205,7 +224,7 @@ def test_judge_counts_and_verdict():
         _rr(index=2, prefill_seconds=0.1), _rr(index=3, decode_seconds=0.3)])
     s = soak.judge(scn, good)
     assert s["passed"] and s["outcomes"]["ok"] == 3 and s["outcomes"]["failed_as_faulted"] == 1
-    assert s["faults_injected"] == {"engine": 1, "bad_index": 0, "duplicate_room": 0}
+    assert s["faults_injected"] == {"engine": 1, "bad_index": 0, "duplicate_room": 0, "never_admitted": 0}
     # Request times: 0.5 (max of its sides), 0.1, 0.3 -> p50 0.3, max 0.5.
     assert s["p50_s"] == 0.3 and s["max_s"] == 0.5
     # The clean last wave (requests 2, 3) with one collateral failure: no pass.

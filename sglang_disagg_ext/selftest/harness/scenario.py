@@ -31,8 +31,11 @@ STATE_POOL_BASE = 2
 KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
 # What a soak request was made to suffer (``RequestSpec.fault``): "engine": one of
 # its decode KV pages is in ``Scenario.dropped_kv_pages``, whose writes prefill's
-# engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool.
-REQUEST_FAULTS = ("engine", "bad_index", "duplicate_room")
+# engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool;
+# "duplicate_room": it names the room of an earlier live request (F16); "never_admitted":
+# prefill makes no sender for it (``RequestSpec.prefill_admits``, F17).
+REQUEST_FAULTS = ("engine", "bad_index", "duplicate_room", "never_admitted")
+NOT_ADMITTED = "NotAdmitted"  # the prefill status of a request prefill made no sender for (prefill_admits)
 
 # A wave run's request record error starting with this: the SGLang call the worker
 # makes for the request (``send`` / ``send_metadata``) raised into its caller. In a
@@ -128,7 +131,8 @@ class RequestSpec:
     decode_metadata_delay_s: float = 0.0
     # False: prefill makes no sender for this request (the client's request to prefill was
     # refused before its scheduler); decode sends its metadata as usual (F17's lease). Prefill
-    # records the status NOT_ADMITTED and waits for decode to end the room (or the bound).
+    # records the status NOT_ADMITTED (one at a time: it waits for decode to end the room, or
+    # the bound; in a wave the wave goes on without it).
     prefill_admits: bool = True
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.
@@ -331,9 +335,8 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} fault {req.fault!r} not one of {REQUEST_FAULTS}")
             if req.send_chunks < 1:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
-            if not req.prefill_admits and (self.wave > 1 or self.multi_rank):
-                raise ScenarioError(f"{self.name}: request {r} prefill_admits=False is for one-at-a-time, "
-                                    f"one-rank scenarios only")
+            if not req.prefill_admits and self.multi_rank:
+                raise ScenarioError(f"{self.name}: request {r} prefill_admits=False is for one rank a side only")
             if req.decode_metadata_delay_s < 0 or (req.decode_metadata_delay_s and self.wave > 1):
                 raise ScenarioError(f"{self.name}: request {r} decode_metadata_delay_s must be >= 0, "
                                     f"and is for one-at-a-time scenarios only (wave {self.wave})")

@@ -34,7 +34,6 @@ T_START = time.monotonic()
 POLL_SLEEP_S = 0.002
 POLL_RAISED = "raised"  # wave runs: a poll() that raised (worker._poll_one)
 FINAL = ("Success", "Failed")
-NOT_ADMITTED = "NotAdmitted"  # prefill status of a request it never made a sender for
 PEER_GRACE_S = 3.0  # a live prefill reaches its final state well inside this after decode
 DECODE_HOOK_ENV = "SGLANG_HARNESS_DECODE_HOOK"
 PREFILL_HOOK_ENV = "SGLANG_HARNESS_PREFILL_HOOK"
@@ -487,6 +486,8 @@ class Worker:
         req = self.scn.requests[index]
         deadline = time.monotonic() + self.scn.timeouts.request_s
         if not req.prefill_admits:
+            from sglang_disagg_ext.selftest.harness.scenario import NOT_ADMITTED
+
             # No sender: wait, as a scheduler that never saw the request, until decode ended the
             # room (or the bound), so that the next request's bootstrap clock starts after it.
             give_up = self._decode_gave_up(rec["room"])
@@ -805,10 +806,16 @@ class Worker:
             sender.init(len(req.src_kv_pages), req.aux_index)
             sender.send(np.asarray(req.src_kv_pages, dtype=np.int32), state_indices=self._state_lists(req, "src_pages"))
 
+        from sglang_disagg_ext.selftest.harness.scenario import NOT_ADMITTED
+
         self._rank_barrier()  # multi-rank: the prefill ranks start each wave together
+        admitted = [(i, rec) for i, rec in zip(indices, recs) if self.scn.requests[i].prefill_admits]
+        for i, rec in zip(indices, recs):
+            if not self.scn.requests[i].prefill_admits:
+                rec["status"] = NOT_ADMITTED  # no sender: decode's metadata for it names no request here
         senders = {i: self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
-                   for i, rec in zip(indices, recs)}
-        self._wave_transfer(senders, indices, recs, send)
+                   for i, rec in admitted}
+        self._wave_transfer(senders, [i for i, _ in admitted], [rec for _, rec in admitted], send)
 
     def _decode_wave(self, indices: List[int], recs: List[Dict[str, Any]], wave: Dict[str, Any]) -> None:
         import numpy as np
