@@ -90,6 +90,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_room_claims.py", _IT + "test_duplicate_rooms.py"), "docs/fixes.md"),
     FixEntry("F17", (_CORE + "dropped_rooms.py",), (_BACK + "mooncake/dropped_rooms.py",), (),
              (), ("test/unit/test_dropped_rooms.py", _IT + "test_mooncake_dropped_rooms.py"), "docs/fixes.md"),
+    FixEntry("F18", (_CORE + "peer_record.py",), (_BACK + "mooncake/compatibility.py",), (),
+             (), ("test/unit/test_peer_record.py", _IT + "test_mooncake_compatibility.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -173,6 +173,9 @@ FIX_TITLES = {
     "F17": "Mooncake prefill: decode's metadata for a room prefill already dropped (its bootstrap timeout or an "
     "abort) is answered with Failed and the reason at once, and for a room no request opened, after a lease of "
     "SGLang's bootstrap timeout, instead of decode holding the request's KV until its waiting timeout",
+    "F18": "Mooncake: -ext peers exchange a compatibility record at registration; prefill refuses a decode whose KV "
+    "pages are laid out otherwise (page size, head dim, KV dtype: another model configuration), naming every "
+    "differing field, instead of writing its pages at the wrong offsets",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -194,6 +197,7 @@ FIX_BACKEND = {
     "F15": "nixl",
     "F16": "all",
     "F17": "mooncake",
+    "F18": "mooncake",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -327,23 +331,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L, "F17": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L, "F17": _L, "F18": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -371,6 +375,11 @@ _ACTIVE_RELEASES = {
 # (0.5.23 common/conn.py:2385-2407): live everywhere. The adapter hooks 0.5.22's
 # ``_handle_abort_notification`` (called on every per-room decode message before it is stored) and
 # answers through ``send_kv_status_message``; up to 0.5.21 neither exists: live, not covered.
+# F18 (a decode whose KV pages are laid out otherwise): every wheel's Mooncake
+# ``_send_kvcache_generic`` addresses decode's page as ``dst_ptr + int(decode_index[0]) * item_len``
+# with prefill's ``item_len`` (0.5.10.post1 mooncake/conn.py:648 ... 0.5.23 :1189) and no wheel
+# compares it with decode's under equal attention TP (0.5.23 checks it only on the unified-memory
+# envelope path, ``_validate_envelope_kv_layout``): live everywhere, on the registration hook F6/F9 use.
 # A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
@@ -1355,7 +1364,7 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "paged_allocator_serves_cpu": (),
     "kv_status_codec": ("F6", "F9", "F16", "F17"), "mooncake_conclude_failure": ("F6", "F8", "F9", "F16"),
     "mooncake_send_probe": ("F6",), "stock_mooncake_checks_state_send": ("F6",),
-    "mooncake_aux_count_check": ("F9",), "mooncake_registration_hooks": ("F6", "F9", "F16", "F17"),
+    "mooncake_aux_count_check": ("F9",), "mooncake_registration_hooks": ("F6", "F9", "F16", "F17", "F18"),
     "mori_status_codec": (), "mori_unique_prefill_rank": (),
     "nixl_refuses_dsv4_state": (), "nixl_empty_transfer_is_dummy": (), "nixl_empty_state_lists_wait": (),
     "nixl_success_via_notifications_only": ("F11", "F13"), "nixl_success_via_listener_only": ("F11",),

@@ -21,6 +21,8 @@ import dataclasses
 import json
 from typing import List, Optional, Sequence
 
+from sglang_disagg_ext.core import peer_record
+
 # The frame's prefix; anything else in the trailing position is not ours.
 FRAME_PREFIX = b"sglang-disagg-ext:pool-bounds:v1:"
 
@@ -50,6 +52,9 @@ class PoolBounds:
     # prefill appends to a Success. Not a bound: the frame is all an -ext decode
     # tells prefill about itself.
     reads_digests: bool = False
+    # The decode's compatibility record (F18, :mod:`.peer_record`); None: not published
+    # (a stock decode, or an -ext one older than F18).
+    peer: Optional[dict] = None
 
 
 def entries(data_lens: Sequence[int], item_lens: Sequence[int], label: str) -> Optional[int]:
@@ -107,6 +112,8 @@ def encode_frame(bounds: PoolBounds) -> bytes:
         data["aux_item_lens"] = list(bounds.aux_item_lens)
     if bounds.reads_digests:  # absent unless set: older -ext prefills read the frame as before
         data["digests"] = True
+    if bounds.peer is not None:  # older -ext prefills ignore keys they do not know
+        data["peer"] = bounds.peer
     return FRAME_PREFIX + json.dumps(data).encode()
 
 
@@ -142,6 +149,7 @@ def decode_frame(frame: bytes) -> Optional[PoolBounds]:
         state=tuple(_opt_count(v, f"state component {c}") for c, v in enumerate(data.get("state", []))),
         aux_item_lens=_opt_sizes(data.get("aux_item_lens")),
         reads_digests=data.get("digests") is True,
+        peer=peer_record.parse(data.get("peer")),
     )
 
 

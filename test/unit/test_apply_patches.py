@@ -243,7 +243,7 @@ def test_patched_live_fixes_become_upstream():
     assert policy.fixes["F3"] is releases.FixStatus.NA
     assert policy.fixes["F4"] is releases.FixStatus.LIVE
     assert policy.patched == ("F2",)  # only fixes that were live change
-    assert policy.active_fixes() == ["F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F15", "F16"]
+    assert policy.active_fixes() == ["F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F15", "F16", "F18"]
     assert "(patched sources: F2)" in policy.summary_line()
 
 

@@ -9,7 +9,7 @@ L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
 X = FixStatus.UNCOVERED
 
-# (release, support, layout, F1..F14) — from shared/notes/sglang-releases.md, except F4/F5 on
+# (release, support, layout, F1..F18) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
 # mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
@@ -49,26 +49,29 @@ X = FixStatus.UNCOVERED
 # F17 (decode's metadata for a room prefill already dropped): stored for any room by every wheel's
 # Mooncake bootstrap thread (0.5.23 mooncake/conn.py:3017), and the bootstrap timeout tells decode
 # nothing: live everywhere; covered from 0.5.22 (the _handle_abort_notification hook).
+# F18 (decode's KV pages addressed with prefill's item_len, never compared under equal attention TP):
+# every wheel's _send_kvcache_generic (0.5.10.post1 mooncake/conn.py:648 ... 0.5.23 :1189): live and
+# covered everywhere (the registration hook F6/F9 use).
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, X, L, L, X)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, X, L, L, L)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, X, L, L, L, L)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L)),
 ]
 
 

@@ -11,7 +11,7 @@
   published in its trailing frame (Mooncake F6/F9, NIXL destination bounds), or
   that a stock decode published none (said once per peer).
 * :func:`pool_bounds_frame`: what a decode publishes (Mooncake F6/F9 with its
-  state pools, NIXL without).
+  state pools, NIXL without), with its compatibility record (F18, :func:`own_peer_record`).
 * :class:`FilteringSocket` / :class:`FrameAppendingSocket`: where a release
   gives the manager no hook around a message (the decode registration, the
   status message), the socket stock reads or sends it through is wrapped, so
@@ -26,6 +26,7 @@ import logging
 from typing import Callable, Optional, Tuple
 
 from sglang_disagg_ext import metrics
+from sglang_disagg_ext.core import peer_record
 from sglang_disagg_ext.core.index_bounds import IndexBoundsError, bounds_in_message, bounds_of, encode_frame
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
@@ -74,11 +75,12 @@ def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: 
 
 
 def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True,
-                      reads_digests: bool = False) -> Optional[bytes]:
+                      reads_digests: bool = False, attn_tp_size=None) -> Optional[bytes]:
     """Decode's KV and aux pool sizes (and, with ``state``, its state pools') as one
     trailing registration frame; None (and one error line on ``logger``) if they cannot
     be read: the registration still goes out, the peer then runs unchecked.
     ``reads_digests``: this decode verifies transfers (``PoolBounds.reads_digests``).
+    The frame also carries this side's compatibility record (F18, :func:`own_peer_record`).
 
     Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
     buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
@@ -94,7 +96,24 @@ def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True,
     except (IndexBoundsError, AttributeError, TypeError) as exc:
         logger.error("not publishing pool sizes to prefill: %s", exc)
         return None
+    bounds = dataclasses.replace(bounds, peer=own_peer_record(kv_args, attn_tp_size))
     return encode_frame(dataclasses.replace(bounds, reads_digests=True) if reads_digests else bounds)
+
+
+def own_peer_record(kv_args, attn_tp_size=None) -> dict:
+    """This side's F18 compatibility record (``core.peer_record``) from its ``KVArgs``; fields
+    SGLang did not set are left out (the peer then does not compare them)."""
+    from sglang_disagg_ext import __version__, releases
+
+    return peer_record.record(
+        plugin=__version__,
+        sglang=releases.current_policy().version,
+        page_size=getattr(kv_args, "page_size", None),
+        kv_item_lens=list(getattr(kv_args, "kv_item_lens", None) or []),
+        kv_head_num=getattr(kv_args, "kv_head_num", None),
+        attn_tp_size=attn_tp_size,
+        kv_dtype=getattr(kv_args, "kv_cache_dtype_str", None),
+    )
 
 
 def note_peer_bounds(table: dict, unchecked: set, peer: str, msg, logger: logging.Logger, what: str,

@@ -2,7 +2,8 @@
 
 :func:`manager_class` builds the class from the release's live fixes: one mixin
 per fix (F6 ``isolation``, F7 ``state_pairing``, F8
-``threads``, F9 ``registration``, F17 ``dropped_rooms``), each cooperative, in front
+``threads``, F9 ``registration``, F17 ``dropped_rooms``, F18
+``compatibility``), each cooperative, in front
 of the state class below where F1 or F2 is live, else in front of
 :class:`MooncakeExtKVManager` (stock's state path, the activation line and the
 failure plumbing the mixins share).
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
 from sglang_disagg_ext import activation_log, releases, verification
+from sglang_disagg_ext.backends.mooncake.compatibility import PeerCompatibilityMixin
 from sglang_disagg_ext.backends.mooncake.dropped_rooms import DroppedRoomsMixin
 from sglang_disagg_ext.backends.mooncake.isolation import RequestIsolationMixin
 from sglang_disagg_ext.backends.mooncake.peers import MooncakeExtKVReceiver
@@ -265,6 +267,7 @@ _FIX_MIXINS = (
     ("F8", ThreadSurvivalMixin),
     ("F9", RegistrationCheckMixin),
     ("F17", DroppedRoomsMixin),
+    ("F18", PeerCompatibilityMixin),
 )
 
 

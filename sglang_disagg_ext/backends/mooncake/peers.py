@@ -64,6 +64,23 @@ def state_kinds_of(kv_args) -> list:
     return [getattr(t, "value", t) for t in kinds]
 
 
+def refused_session(mgr, room, refused: dict):
+    """Prefill: ``(session, reason)`` of the first non-dummy decode rank of ``room`` whose session is in
+    ``refused`` (session -> reason, a registration-time refusal: F9, F18), else None; None too for a
+    room stock returns early for (unknown, or already Failed). Scheduler thread, once per chunk."""
+    if not refused:
+        return None
+    # .get: a transfer thread may pop the room concurrently.
+    infos = mgr.transfer_infos.get(room)
+    if not infos or mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+        return None
+    for session, info in list(infos.items()):
+        reason = None if info.is_dummy else refused.get(session)
+        if reason is not None:
+            return session, reason
+    return None
+
+
 def conclude_room_failed(mgr, room, reason: str) -> None:
     """Prefill: end ``room`` Failed with ``reason`` and tell each of its non-dummy decode ranks.
 
@@ -121,7 +138,8 @@ class PeerPoolsMixin:
         (a stock prefill parses them by position and ignores what follows).
         """
         frames = list(super().build_receiver_registration_message())
-        frame = pool_bounds_frame(self.kv_args, logger, reads_digests=bool(getattr(self, "_verify_on", False)))
+        frame = pool_bounds_frame(self.kv_args, logger, reads_digests=bool(getattr(self, "_verify_on", False)),
+                                  attn_tp_size=getattr(self, "attn_tp_size", None))
         return frames if frame is None else frames + [frame]
 
     # -- prefill: read them -----------------------------------------------------
@@ -299,7 +317,8 @@ class MooncakeExtKVReceiver(MooncakeKVReceiver):
         never reads the trailing one.
         """
         frame = pool_bounds_frame(self.kv_mgr.kv_args, logger,
-                                  reads_digests=bool(getattr(self.kv_mgr, "_verify_on", False)))
+                                  reads_digests=bool(getattr(self.kv_mgr, "_verify_on", False)),
+                                  attn_tp_size=getattr(self.kv_mgr, "attn_tp_size", None))
         if frame is None:
             return super()._register_kv_args()
         return register_appending(self, frame, _is_registration, super()._register_kv_args)

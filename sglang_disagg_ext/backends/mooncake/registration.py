@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.disaggregation.base.conn import KVPoll
-
 from sglang_disagg_ext import metrics, releases
-from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed
+from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed, refused_session
 from sglang_disagg_ext.core.registration_check import aux_pairing_problem
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.registration")
@@ -158,17 +156,8 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         return None
 
     def _f9_refusal(self, room):
-        if not self._f9_refused:
-            return None
-        # .get: a transfer thread may pop the room concurrently.
-        infos = self.transfer_infos.get(room)
-        if not infos or self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
-            return None  # stock returns early for these
-        for session, info in list(infos.items()):
-            reason = None if info.is_dummy else self._f9_refused.get(session)
-            if reason is not None:
-                return f"decode session {session}: {reason}"
-        return None
+        hit = refused_session(self, room, self._f9_refused)
+        return None if hit is None else f"decode session {hit[0]}: {hit[1]}"
 
     def send_aux(self, req, *args, **kwargs):
         """Stock ``send_aux``, but ``-1`` and no write for a refused decode session.

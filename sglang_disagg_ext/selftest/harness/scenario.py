@@ -214,6 +214,10 @@ class Scenario:
     # does not, so an engine pair configured differently registers buffers of the
     # same count with different row sizes.
     decode_hidden_size: int = 0
+    # Decode's KV head dim when it differs from ``kv.head_dim`` (0: the same): a decode
+    # serving another model configuration (F18). Its KV pages are then larger or smaller
+    # than prefill's; one rank a side only.
+    decode_kv_head_dim: int = 0
     # Requests run ``wave`` at a time on each side (all senders / receivers of a
     # wave made, then sent, then polled together; decode checks the wave's bytes
     # and resets its pools after it). 1: one after another. Multi-rank: each side's
@@ -287,6 +291,11 @@ class Scenario:
         h = self.decode_hidden_size
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ScenarioError(f"{self.name}: decode_hidden_size must be 0 (as prefill) or an int >= 1, got {h!r}")
+        d = self.decode_kv_head_dim
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0 or (d and self.multi_rank):
+            raise ScenarioError(
+                f"{self.name}: decode_kv_head_dim must be 0 (as prefill) or an int >= 1, one rank a side; got {d!r}"
+            )
         _check_ranks(self)
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")

@@ -303,8 +303,9 @@ class Worker:
                 self.kv_heads = patterns.rank_kv_heads(scn.kv.head_num, self.tp_size, self.tp_rank)
             except ValueError:
                 self.kv_heads = None  # a layout SGLang cannot shard: bytes are not checked
+        head_dim = scn.decode_kv_head_dim if self.role == "decode" and scn.decode_kv_head_dim else scn.kv.head_dim
         self.kv_pool = ss.make_mha_pool(
-            scn.kv.num_pages, scn.page_size, dtype, pool_heads, scn.kv.head_dim, scn.num_layers, device=device
+            scn.kv.num_pages, scn.page_size, dtype, pool_heads, head_dim, scn.num_layers, device=device
         )
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
