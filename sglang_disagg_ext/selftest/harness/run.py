@@ -334,6 +334,7 @@ def run_scenario(
     extra_env: Optional[Dict[str, str]] = None,
     workdir: Optional[str] = None,
     decode_backend: Optional[str] = None,
+    decode_python: Optional[str] = None,
     protocol: str = "tcp",
     device: str = "cpu",
     ib_device: Optional[str] = None,
@@ -349,7 +350,10 @@ def run_scenario(
     ``keep_dir``: keep the run directory (logs, results); default: only when
     ``$SGLANG_HARNESS_KEEP`` is set. ``decode_backend``: a different backend
     name for the decode workers (mixed-peer runs, e.g. ``mori-ext`` prefill with
-    a stock ``mori`` decode); default ``backend``. ``protocol`` (tcp, rdma),
+    a stock ``mori`` decode); default ``backend``. ``decode_python``: the
+    interpreter of the decode workers where it differs from ``python`` (a
+    mixed-release pair: another venv, another SGLang release); default
+    ``python``. ``protocol`` (tcp, rdma),
     ``device`` (cpu, cuda, cuda:N), ``ib_device``: how the workers start
     their engines and where they build their pools (``harness.transport``);
     an option that cannot be honoured ends the run with an error naming it.
@@ -426,11 +430,12 @@ def run_scenario(
                 restart_args = args + ["--first-wave", str(scenario.restart_decode_in_wave + 1)]
                 restart_args[restart_args.index("--result") + 1] = os.path.join(run_dir, f"{RESTARTED_DECODE}.json")
                 args = args + ["--crash-in-wave", str(scenario.restart_decode_in_wave)]
-            children[name] = spawn(name, exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
+            role_exe = decode_python if role == "decode" and decode_python else exe
+            children[name] = spawn(name, role_exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
 
         if scenario.restart_decode_in_wave is not None:
             _restart_decode_when_gone(children, deadline, lambda: spawn(
-                RESTARTED_DECODE, exe, WORKER_MODULE, restart_args, env,
+                RESTARTED_DECODE, decode_python or exe, WORKER_MODULE, restart_args, env,
                 os.path.join(run_dir, f"{RESTARTED_DECODE}.log"), run_dir))
         _wait_children(children, run_dir, deadline, scenario)
         if time.monotonic() >= deadline and any(c.poll() is None for c in children.values()):
