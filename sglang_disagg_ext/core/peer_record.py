@@ -50,10 +50,17 @@ WIRE = 1
 
 
 def record(*, plugin: str, sglang: str, page_size, kv_item_lens: Sequence[int], kv_head_num=None,
-           attn_tp_size=None, kv_dtype=None) -> Dict[str, object]:
+           attn_tp_size=None, kv_dtype=None, page_for_page: bool = True) -> Dict[str, object]:
     """The record of one side, as JSON-ready values. ``kv_head_num``: KV heads this rank holds
-    (SGLang's ``KVArgs.kv_head_num``); values that are not positive ints are left out."""
+    (SGLang's ``KVArgs.kv_head_num``); values that are not positive ints are left out.
+    ``page_for_page`` False: this side's KV moves in another layout than whole pages of equal
+    size (HiSparse's per-token host pages, decode context parallel's re-layout), where page
+    sizes and bytes per page legitimately differ: the layout fields are left out, so nothing
+    is compared."""
     rec: Dict[str, object] = {"wire": WIRE, "plugin": str(plugin), "sglang": str(sglang)}
+    if not page_for_page:
+        rec["page_for_page"] = False
+        return rec
     if _count(page_size):
         rec["page_size"] = int(page_size)
     if _count(attn_tp_size):

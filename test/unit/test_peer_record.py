@@ -25,6 +25,14 @@ def test_record_fields():
 
 
 @pytest.mark.timeout(10)
+def test_another_layout_mode_publishes_no_layout():
+    # HiSparse / decode context parallel: page sizes legitimately differ; nothing compared.
+    other = _rec(page_for_page=False, page_size=1, kv_item_lens=[64])
+    assert other == {"wire": 1, "plugin": "0.3.0", "sglang": "0.5.23", "page_for_page": False}
+    assert incompatibilities(_rec(), other) == [] and incompatibilities(other, _rec()) == []
+
+
+@pytest.mark.timeout(10)
 def test_same_layout_is_compatible_across_releases():
     assert incompatibilities(_rec(), _rec(sglang="0.5.11", plugin="0.2.9")) == []
 

@@ -75,12 +75,13 @@ def probe_prefill_version(bootstrap_addr: str, route: str, key: str, timeout_s: 
 
 
 def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True,
-                      reads_digests: bool = False, attn_tp_size=None) -> Optional[bytes]:
+                      reads_digests: bool = False, mgr=None) -> Optional[bytes]:
     """Decode's KV and aux pool sizes (and, with ``state``, its state pools') as one
     trailing registration frame; None (and one error line on ``logger``) if they cannot
     be read: the registration still goes out, the peer then runs unchecked.
     ``reads_digests``: this decode verifies transfers (``PoolBounds.reads_digests``).
-    The frame also carries this side's compatibility record (F18, :func:`own_peer_record`).
+    The frame also carries this side's compatibility record (F18, :func:`own_peer_record` of
+    ``mgr``, the decode's manager, where given).
 
     Per-component layout (0.5.12+): ``state_data_lens[c]`` lists component ``c``'s
     buffers. Flat layout (0.5.10.post1, 0.5.11): one state component of
@@ -96,23 +97,30 @@ def pool_bounds_frame(kv_args, logger: logging.Logger, state: bool = True,
     except (IndexBoundsError, AttributeError, TypeError) as exc:
         logger.error("not publishing pool sizes to prefill: %s", exc)
         return None
-    bounds = dataclasses.replace(bounds, peer=own_peer_record(kv_args, attn_tp_size))
+    if mgr is not None:
+        bounds = dataclasses.replace(bounds, peer=own_peer_record(mgr))
     return encode_frame(dataclasses.replace(bounds, reads_digests=True) if reads_digests else bounds)
 
 
-def own_peer_record(kv_args, attn_tp_size=None) -> dict:
-    """This side's F18 compatibility record (``core.peer_record``) from its ``KVArgs``; fields
-    SGLang did not set are left out (the peer then does not compare them)."""
+def own_peer_record(mgr) -> dict:
+    """This side's F18 compatibility record (``core.peer_record``) from its manager's ``KVArgs``;
+    fields SGLang did not set are left out (the peer then does not compare them)."""
     from sglang_disagg_ext import __version__, releases
 
+    kv_args = mgr.kv_args
+    server_args = getattr(mgr, "server_args", None)
+    # HiSparse (decode host pages of one token) and decode context parallel (re-laid-out
+    # pages) move KV in another layout than equal whole pages: nothing to compare.
+    page_for_page = not getattr(server_args, "enable_hisparse", False) and (getattr(mgr, "dcp_size", 1) or 1) <= 1
     return peer_record.record(
         plugin=__version__,
         sglang=releases.current_policy().version,
         page_size=getattr(kv_args, "page_size", None),
         kv_item_lens=list(getattr(kv_args, "kv_item_lens", None) or []),
         kv_head_num=getattr(kv_args, "kv_head_num", None),
-        attn_tp_size=attn_tp_size,
+        attn_tp_size=getattr(mgr, "attn_tp_size", None),
         kv_dtype=getattr(kv_args, "kv_cache_dtype_str", None),
+        page_for_page=page_for_page,
     )
 
 

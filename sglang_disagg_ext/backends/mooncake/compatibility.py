@@ -75,7 +75,7 @@ class PeerCompatibilityMixin(PeerPoolsMixin):
             self._f18_refused.pop(session, None)
             return
         try:
-            ours = own_peer_record(self.kv_args, getattr(self, "attn_tp_size", None))
+            ours = own_peer_record(self)
             differences = peer_record.incompatibilities(ours, theirs)
         except Exception:  # noqa: BLE001 - a check that cannot run leaves stock behaviour
             logger.exception("decode session %s: compatibility check failed; stock behaviour", session)

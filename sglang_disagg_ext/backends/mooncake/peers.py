@@ -139,7 +139,7 @@ class PeerPoolsMixin:
         """
         frames = list(super().build_receiver_registration_message())
         frame = pool_bounds_frame(self.kv_args, logger, reads_digests=bool(getattr(self, "_verify_on", False)),
-                                  attn_tp_size=getattr(self, "attn_tp_size", None))
+                                  mgr=self)
         return frames if frame is None else frames + [frame]
 
     # -- prefill: read them -----------------------------------------------------
@@ -318,7 +318,7 @@ class MooncakeExtKVReceiver(MooncakeKVReceiver):
         """
         frame = pool_bounds_frame(self.kv_mgr.kv_args, logger,
                                   reads_digests=bool(getattr(self.kv_mgr, "_verify_on", False)),
-                                  attn_tp_size=getattr(self.kv_mgr, "attn_tp_size", None))
+                                  mgr=self.kv_mgr)
         if frame is None:
             return super()._register_kv_args()
         return register_appending(self, frame, _is_registration, super()._register_kv_args)
