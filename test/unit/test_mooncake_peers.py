@@ -65,6 +65,7 @@ def _mgr(mode):
     mgr._reason_endpoints = set()
     mgr._digest_endpoints = set()
     mgr._peer_reasons = {}
+    mgr._refused_sessions = {}
     return mgr
 
 
@@ -230,3 +231,45 @@ def test_conclude_room_failed_by_hand_tells_every_non_dummy_rank(monkeypatch):
     assert statuses == {1000: KVPoll.Failed}
     # prefill unique rank = attn_tp_rank * (pp_size * attn_cp_size) + pp_rank * attn_cp_size + attn_cp_rank = 1
     assert mgr.stock_syncs == [("127.0.0.1", 7001, 1000, KVPoll.Failed, 1), ("127.0.0.1", 7003, 1000, KVPoll.Failed, 1)]
+
+
+def test_sessions_refused_at_registration_one_table_for_f9_and_f18(monkeypatch):
+    """F9 and F18 refuse sessions in one table: a room with a refused non-dummy rank is concluded
+    Failed with the lowest-numbered fix's reason and counted under it; a dummy rank's refusal,
+    or a session accepted again by every fix that refused it, leaves the room to stock."""
+    monkeypatch.setattr(releases.features(), "mooncake_conclude_failure", False)
+    mgr = _mgr(DisaggregationMode.PREFILL)
+    statuses, counted, queued = {}, [], []
+    mgr.update_status = lambda room, status: statuses.__setitem__(room, status)
+    mgr.attn_tp_rank, mgr.pp_rank, mgr.pp_size, mgr.attn_cp_rank, mgr.attn_cp_size = 0, 0, 1, 0, 1
+    monkeypatch.setattr(peers.metrics, "count", lambda name, **labels: counted.append((name, labels)))
+    monkeypatch.setattr(StockStandIn, "add_transfer_request", lambda self, room, *a: queued.append(room),
+                        raising=False)
+    monkeypatch.setattr(StockStandIn, "send_aux", lambda self, req, *a: 0, raising=False)
+    mgr.request_status = {1000: KVPoll.WaitingForInput, 1001: KVPoll.WaitingForInput}
+    mgr.transfer_infos = {
+        1000: {"a": SimpleNamespace(is_dummy=False, endpoint="127.0.0.1", dst_port=7001)},
+        1001: {"d": SimpleNamespace(is_dummy=True, endpoint="127.0.0.1", dst_port=7002)},
+    }
+    mgr._refuse_session("a", "F18", "KV cache layouts differ", "layout reason")
+    mgr._refuse_session("a", "F9", "metadata buffers cannot be paired", "buffers reason")
+    mgr._refuse_session("d", "F18", "KV cache layouts differ", "dummy's reason")
+    assert peers.refused_session(mgr, 1000) == ("a", "F9", "metadata buffers cannot be paired", "buffers reason")
+    mgr.add_transfer_request(1000, "chunk")
+    mgr.add_transfer_request(1001, "chunk")  # only a dummy rank is refused: stock's
+    assert queued == [1001]
+    assert mgr.failure_records == {1000: "buffers reason"} and statuses == {1000: KVPoll.Failed}
+    assert counted == [("requests_refused_total", {"fix": "F9", "reason": "metadata buffers cannot be paired"})]
+    assert mgr.stock_syncs == [("127.0.0.1", 7001, 1000, KVPoll.Failed, 0)]
+    assert mgr.send_aux(SimpleNamespace(mooncake_session_id="a")) == -1
+    # F9 accepts it again (re-registered with matching buffers): F18's refusal still stands.
+    mgr._accept_session("a", "F9")
+    mgr.request_status[1000] = KVPoll.WaitingForInput
+    assert peers.refused_session(mgr, 1000) == ("a", "F18", "KV cache layouts differ", "layout reason")
+    mgr._accept_session("a", "F18")
+    assert peers.refused_session(mgr, 1000) is None and "a" not in mgr._refused_sessions
+    assert mgr.send_aux(SimpleNamespace(mooncake_session_id="a")) == 0
+    # A Failed room is stock's to drop whatever its sessions.
+    mgr.request_status[1000] = KVPoll.Failed
+    mgr._refuse_session("a", "F18", "KV cache layouts differ", "layout reason")
+    assert peers.refused_session(mgr, 1000) is None

@@ -21,7 +21,8 @@ Here, on prefill (the pure rules: :mod:`..core.peer_record`):
   or plugin version gets one INFO line (a rolling upgrade, served);
 * every request to a refused session is concluded Failed in
   ``add_transfer_request`` before anything is queued for the engine, with that
-  reason, told to every decode rank of the room (``peers.conclude_room_failed``).
+  reason, told to every decode rank of the room (:class:`.peers.PeerPoolsMixin`
+  holds the sessions F9 and F18 refused and concludes their rooms).
   No byte of decode is written and the session is not marked failed: a decode
   that registers again with a matching layout is served;
 * a decode that published no record (stock, or ``-ext`` before F18) is not
@@ -32,9 +33,8 @@ from __future__ import annotations
 
 import logging
 
-from sglang_disagg_ext import metrics
 from sglang_disagg_ext.backends.common.shared import own_peer_record
-from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed, refused_session
+from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin
 from sglang_disagg_ext.core import peer_record
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.compatibility")
@@ -52,9 +52,7 @@ class PeerCompatibilityMixin(PeerPoolsMixin):
         process). The stock constructor starts prefill's bootstrap thread, which may read a
         registration at once, so the tables exist before ``super()``.
         """
-        # Written by the bootstrap thread; read by the scheduler and transfer threads
-        # (single dict / set operations, no lock needed).
-        self._f18_refused = {}  # session -> reason
+        # Bootstrap thread only.
         self._f18_noted = set()  # compatible sessions of another release / plugin version, logged once
         super().__init__(*args, **kwargs)
 
@@ -72,52 +70,22 @@ class PeerCompatibilityMixin(PeerPoolsMixin):
         bounds = self._peer_bounds.get(session)
         theirs = None if bounds is None else bounds.peer
         if theirs is None:
-            self._f18_refused.pop(session, None)
+            self._accept_session(session, FIX)
             return
         try:
             ours = own_peer_record(self)
             differences = peer_record.incompatibilities(ours, theirs)
         except Exception:  # noqa: BLE001 - a check that cannot run leaves stock behaviour
             logger.exception("decode session %s: compatibility check failed; stock behaviour", session)
-            self._f18_refused.pop(session, None)
+            self._accept_session(session, FIX)
             return
         if differences:
             reason = peer_record.refusal(session, ours, theirs, differences)
-            self._f18_refused[session] = reason
+            self._refuse_session(session, FIX, METRIC_REASON, reason)
             logger.error("%s; %s, every request to it ends Failed", reason, REFUSED_LINE)
             return
-        self._f18_refused.pop(session, None)
+        self._accept_session(session, FIX)
         if peer_record.identity(ours) != peer_record.identity(theirs) and session not in self._f18_noted:
             self._f18_noted.add(session)
             logger.info("decode session %s runs %s, this prefill %s: KV layouts match, served", session,
                         peer_record.identity(theirs), peer_record.identity(ours))
-
-    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
-        """Stock ``add_transfer_request``, unless a decode session of the room was refused.
-
-        Contract: prefill only, on the scheduler thread, once per chunk after the room
-        reached WaitingForInput (``transfer_infos[room]`` holds every decode rank's
-        session). A room with a refused session is concluded Failed here and nothing is
-        queued; later chunks of it go to stock, which drops them (the room is Failed).
-        Must not raise: the scheduler thread would die.
-        """
-        hit = refused_session(self, bootstrap_room, self._f18_refused)
-        if hit is None:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        reason = hit[1]
-        logger.debug("room %s refused: %s", bootstrap_room, reason)  # the session's ERROR was logged once
-        metrics.count("requests_refused_total", fix=FIX, reason=METRIC_REASON)
-        conclude_room_failed(self, bootstrap_room, reason)
-        return None
-
-    def send_aux(self, req, *args, **kwargs):
-        """Stock ``send_aux``, but ``-1`` and no write for a refused decode session.
-
-        Contract: prefill only; SGLang's ``transfer_worker`` thread calls it on a room's last
-        chunk once per non-dummy decode rank; its rc is that rank's poll (non-zero: the room
-        Failed). Covers a chunk queued before the session registered again with another
-        layout. Never raise: the worker re-raises and its thread dies.
-        """
-        if req.mooncake_session_id in self._f18_refused:
-            return -1
-        return super().send_aux(req, *args, **kwargs)

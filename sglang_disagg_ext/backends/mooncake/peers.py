@@ -39,7 +39,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_disagg_ext import releases
+from sglang_disagg_ext import metrics, releases
 from sglang_disagg_ext.backends.common.shared import FilteringSocket, note_peer_bounds, pool_bounds_frame, register_appending
 from sglang_disagg_ext.core.thread_survival import prefill_unique_rank
 
@@ -64,10 +64,12 @@ def state_kinds_of(kv_args) -> list:
     return [getattr(t, "value", t) for t in kinds]
 
 
-def refused_session(mgr, room, refused: dict):
-    """Prefill: ``(session, reason)`` of the first non-dummy decode rank of ``room`` whose session is in
-    ``refused`` (session -> reason, a registration-time refusal: F9, F18), else None; None too for a
-    room stock returns early for (unknown, or already Failed). Scheduler thread, once per chunk."""
+def refused_session(mgr, room):
+    """Prefill: ``(session, fix, metric reason, reason)`` of the first non-dummy decode rank of ``room``
+    whose session was refused at registration (``PeerPoolsMixin._refused_sessions``: F9, F18; where
+    several fixes refused it, the lowest-numbered one's), else None; None too for a room stock
+    returns early for (unknown, or already Failed). Scheduler thread, once per chunk."""
+    refused = mgr._refused_sessions
     if not refused:
         return None
     # .get: a transfer thread may pop the room concurrently.
@@ -75,9 +77,10 @@ def refused_session(mgr, room, refused: dict):
     if not infos or mgr.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
         return None
     for session, info in list(infos.items()):
-        reason = None if info.is_dummy else refused.get(session)
-        if reason is not None:
-            return session, reason
+        by_fix = None if info.is_dummy else refused.get(session)
+        if by_fix:
+            fix = min(by_fix, key=lambda f: int(f[1:]))
+            return (session, fix) + by_fix[fix]
     return None
 
 
@@ -125,7 +128,65 @@ class PeerPoolsMixin:
         self._reason_endpoints = set()
         self._digest_endpoints = set()  # of those, the ones that read a digest frame (verified transfers)
         self._peer_reasons = {}
+        # Prefill: decode sessions refused at registration, session -> {fix: (metric reason,
+        # reason)}. Written by the bootstrap thread (each change replaces the session's dict
+        # whole), read by the scheduler and transfer threads: single dict operations, no lock.
+        self._refused_sessions = {}
         super().__init__(*args, **kwargs)
+
+    # -- prefill: sessions refused at registration (F9, F18) -----------------
+    def _refuse_session(self, session: str, fix: str, metric_reason: str, reason: str) -> None:
+        """Record that ``fix`` refuses decode ``session`` (bootstrap thread, at its registration):
+        every request to it ends Failed with ``reason`` (:meth:`add_transfer_request`)."""
+        self._refused_sessions[session] = {**self._refused_sessions.get(session, {}), fix: (metric_reason, reason)}
+
+    def _accept_session(self, session: str, fix: str) -> None:
+        """``fix`` no longer refuses ``session`` (it registered again and passed): served unless
+        another fix still refuses it. Bootstrap thread."""
+        left = {f: v for f, v in self._refused_sessions.get(session, {}).items() if f != fix}
+        if left:
+            self._refused_sessions[session] = left
+        else:
+            self._refused_sessions.pop(session, None)
+
+    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
+        """Stock ``add_transfer_request``, unless a decode session of the room was refused at registration.
+
+        Contract: prefill only, on the scheduler thread, once per chunk
+        (``MooncakeKVSender.send``) after the room reached WaitingForInput, so
+        ``transfer_infos[room]`` holds every decode rank's session. Stock
+        returns early for a Failed room and queues the chunk for a transfer
+        thread otherwise. A room with a refused session is concluded Failed
+        here (:func:`conclude_room_failed`: reason recorded, status set, every
+        non-dummy decode rank told) and nothing is queued; later chunks of it go
+        to stock, which drops them (the room is Failed). Must not raise: the
+        scheduler thread would die.
+        """
+        hit = refused_session(self, bootstrap_room)
+        if hit is None:
+            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
+        session, fix, metric_reason, reason = hit
+        # The session's one ERROR was logged at registration; SGLang's scheduler
+        # reports each failed request itself.
+        logger.debug("room %s refused (%s, decode session %s): %s", bootstrap_room, fix, session, reason)
+        metrics.count("requests_refused_total", fix=fix, reason=metric_reason)
+        conclude_room_failed(self, bootstrap_room, reason)
+        return None
+
+    def send_aux(self, req, *args, **kwargs):
+        """Stock ``send_aux``, but ``-1`` and no write for a decode session refused at registration.
+
+        Contract: prefill only. SGLang's ``transfer_worker`` thread calls it on a
+        room's last chunk, once per non-dummy decode rank, after that rank's KV
+        pages (and state) went out; its rc is that rank's poll (non-zero: the
+        worker concludes the room Failed for every rank). Requests of a refused
+        session never get here (:meth:`add_transfer_request`); this covers a chunk
+        queued before the session registered again with what prefill cannot
+        serve. Never raise: the worker re-raises and its thread dies.
+        """
+        if req.mooncake_session_id in self._refused_sessions:
+            return -1
+        return super().send_aux(req, *args, **kwargs)
 
     # -- decode: publish the pool sizes --------------------------------------
     def build_receiver_registration_message(self):

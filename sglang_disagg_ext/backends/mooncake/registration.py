@@ -18,8 +18,9 @@ Here, on prefill:
   stock's, which says the leading buffers are sent);
 * every request to a refused decode session is concluded Failed in
   ``add_transfer_request`` before anything is queued for the engine, with
-  that reason; stock's status message carries it to every decode rank of the
-  room. No KV page and no metadata row of decode is written, and the session
+  that reason (:class:`.peers.PeerPoolsMixin` holds the refused sessions of
+  F9 and F18 and concludes their rooms); stock's status message carries it to
+  every decode rank of the room. No KV page and no metadata row of decode is written, and the session
   is not marked failed: a decode that registers again with matching buffers
   is served;
 * a stock decode (no row sizes published) is checked on the count only; where
@@ -44,13 +45,15 @@ from __future__ import annotations
 
 import logging
 
-from sglang_disagg_ext import metrics, releases
-from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin, conclude_room_failed, refused_session
+from sglang_disagg_ext import releases
+from sglang_disagg_ext.backends.mooncake.peers import PeerPoolsMixin
 from sglang_disagg_ext.core.registration_check import aux_pairing_problem
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.registration")
 
+FIX = "F9"
 REFUSED_LINE = "refused at registration"
+METRIC_REASON = "metadata buffers cannot be paired"
 
 
 class RegistrationCheckMixin(PeerPoolsMixin):
@@ -61,9 +64,7 @@ class RegistrationCheckMixin(PeerPoolsMixin):
         process). The stock constructor starts prefill's bootstrap thread, which
         may read a registration at once, so the tables exist before ``super()``.
         """
-        # Written by the bootstrap thread; read by the scheduler thread and the
-        # transfer threads (single dict / set operations, no lock needed).
-        self._f9_refused = {}  # session -> reason
+        # Bootstrap thread only.
         self._f9_count_only = set()  # stock decodes already told "count checked only"
         super().__init__(*args, **kwargs)
 
@@ -114,10 +115,10 @@ class RegistrationCheckMixin(PeerPoolsMixin):
             reason = aux_pairing_problem(self.kv_args.aux_item_lens, int(num_remote), rows)
         except Exception:  # noqa: BLE001 - a check that cannot run leaves stock behaviour
             logger.exception("decode session %s: metadata buffer check failed; stock behaviour", peer)
-            self._f9_refused.pop(peer, None)
+            self._accept_session(peer, FIX)
             return "unchecked"
         if reason is None:
-            self._f9_refused.pop(peer, None)
+            self._accept_session(peer, FIX)
             if rows is None and peer not in self._f9_count_only:
                 self._f9_count_only.add(peer)
                 logger.info(
@@ -127,49 +128,6 @@ class RegistrationCheckMixin(PeerPoolsMixin):
                     num_remote,
                 )
             return "served"
-        self._f9_refused[peer] = reason
+        self._refuse_session(peer, FIX, METRIC_REASON, f"decode session {peer}: {reason}")
         logger.error("decode session %s %s; every request to it ends Failed: %s", peer, REFUSED_LINE, reason)
         return "refused"
-
-    def add_transfer_request(self, bootstrap_room, *args, **kwargs):
-        """Stock ``add_transfer_request``, unless a decode session of the room was refused.
-
-        Contract: prefill only, on the scheduler thread, once per chunk
-        (``MooncakeKVSender.send``) after the room reached WaitingForInput, so
-        ``transfer_infos[room]`` holds every decode rank's session. Stock
-        returns early for a Failed room and queues the chunk for a transfer
-        thread otherwise. A room with a refused session is concluded Failed
-        here (``conclude_room_failed``: stock's ``conclude_failure`` where the
-        release has it, its three steps by hand before: reason recorded, status
-        set, every non-dummy decode rank told) and nothing is queued; later chunks of it
-        go to stock, which drops them. Must not raise: the scheduler thread
-        would die.
-        """
-        reason = self._f9_refusal(bootstrap_room)
-        if reason is None:
-            return super().add_transfer_request(bootstrap_room, *args, **kwargs)
-        # The session's one ERROR was logged at registration; SGLang's
-        # scheduler reports each failed request itself.
-        logger.debug("room %s refused: %s", bootstrap_room, reason)
-        metrics.count("requests_refused_total", fix="F9", reason="metadata buffers cannot be paired")
-        conclude_room_failed(self, bootstrap_room, reason)
-        return None
-
-    def _f9_refusal(self, room):
-        hit = refused_session(self, room, self._f9_refused)
-        return None if hit is None else f"decode session {hit[0]}: {hit[1]}"
-
-    def send_aux(self, req, *args, **kwargs):
-        """Stock ``send_aux``, but ``-1`` and no write for a refused decode session.
-
-        Contract: prefill only. SGLang's ``transfer_worker`` thread calls it on a
-        room's last chunk, once per non-dummy decode rank, after that rank's KV
-        pages (and state) went out; its rc is that rank's poll (non-zero: the
-        worker concludes the room Failed for every rank). Requests of a refused
-        session never get here (``add_transfer_request``); this covers a chunk
-        queued before the session registered again with buffers prefill cannot
-        serve. Never raise: the worker re-raises and its thread dies.
-        """
-        if req.mooncake_session_id in self._f9_refused:
-            return -1
-        return super().send_aux(req, *args, **kwargs)
