@@ -1,4 +1,4 @@
-"""What ``mooncake-ext`` prefill knows of each decode's pools (shared by F6 and F9).
+"""What ``mooncake-ext`` prefill knows of each decode's pools, and which decode sessions it refused (F6, F9, F18).
 
 A decode's stock registration message carries its buffer pointers and counts
 but not how many pages or rows each pool holds, nor its metadata row sizes.
@@ -8,6 +8,11 @@ positions and ignores it, so a stock prefill is unaffected. An ``-ext``
 prefill notes the frame per decode session as the registration arrives
 (``_peer_bounds``), before stock parses the message; a decode that published
 none (stock) is named once at INFO and left unchecked.
+
+The fixes that judge a session by its registration (F9 its metadata buffers,
+F18 its KV layout) record their verdicts here too (``_refuse_session`` /
+``_accept_session``), and one ``add_transfer_request`` / ``send_aux`` ends every
+request to a refused session Failed with that fix's reason.
 
 Two ways in, by release (``releases.features().mooncake_registration_hooks``):
 
