@@ -41,12 +41,16 @@ ALL_RELEASES := $(shell ls requirements/sglang-*.txt | sed 's|requirements/sglan
 E2E_RELEASES ?= 0.5.11 0.5.23
 E2E_CI_ARGS_0.5.11 := --deselect "test/servers/test_pd_faults.py::test_decode_killed_and_restarted_mid_stream[mooncake]" \
 	--deselect "test/servers/test_pd_faults.py::test_decode_killed_and_restarted_mid_stream[mooncake-ext]"
+# The mixed-release stage (make mixed): prefill on this release, decode on each release of
+# MIXED_DECODES_<release> in its own venv (test/mixed: F19, a prefill newer than its decode).
+# CI runs it on the newest release's leg and deletes the decode venvs after it.
+MIXED_DECODES_0.5.23 := 0.5.11
 # Releases whose CI leg runs stock SGLang on its patched sources (make test-patched; ~2.5 min a
 # release). Every patched release's leg checks that its patches apply (make check-patches); the
 # patched-stock tests of the older patched releases run by hand (make test-patched SGLANG=<r>).
 PATCH_TEST_RELEASES ?= 0.5.23
 
-.PHONY: setup test test-all demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts bench-e2e wheel
+.PHONY: setup test test-all mixed demo bench soak doctor clean clean-release check-patches test-patched ci-release print-matrix e2e release-facts bench-e2e wheel
 
 $(VENV)/.sglang-release: scripts/setup_venv.sh scripts/cpu_stubs/*.py scripts/cpu_stubs/*/*.py requirements/*.txt pyproject.toml
 	scripts/setup_venv.sh $(SGLANG) $(VENV)
@@ -71,6 +75,13 @@ test-all:
 # 1P1D pairs with SGLang's router through launch-pd --device cpu), one pytest process.
 e2e: setup
 	$(PY) -m pytest -p no:xdist test/servers $(PYTEST_ARGS)
+
+mixed: setup
+	@set -e; for r in $(MIXED_DECODES_$(SGLANG)); do \
+	  $(MAKE) --no-print-directory setup SGLANG=$$r; \
+	  if [ "$$r" = "$(DEFAULT_SGLANG)" ]; then dpy=.venv/bin/python; else dpy=.venv-$$r/bin/python; fi; \
+	  SGLANG_DISAGG_EXT_DECODE_PYTHON=$$dpy $(PY) -m pytest -n 2 test/mixed $(PYTEST_ARGS); \
+	done
 
 demo: setup
 	$(VENV)/bin/sglang-disagg-ext doctor
@@ -147,6 +158,11 @@ ci-release:
 	if echo " $(E2E_RELEASES) " | grep -q " $(SGLANG) "; then \
 	  echo "--- ci-release $(SGLANG): e2e ---"; \
 	  $(MAKE) --no-print-directory e2e PYTEST_ARGS='$(PYTEST_ARGS) $(E2E_CI_ARGS_$(SGLANG))' || failed="$$failed e2e"; \
+	fi; \
+	if [ -n "$(MIXED_DECODES_$(SGLANG))" ]; then \
+	  echo "--- ci-release $(SGLANG): mixed ---"; \
+	  $(MAKE) --no-print-directory mixed PYTEST_ARGS='$(PYTEST_ARGS)' || failed="$$failed mixed"; \
+	  for r in $(MIXED_DECODES_$(SGLANG)); do $(MAKE) --no-print-directory clean-release SGLANG=$$r; done; \
 	fi; \
 	if [ -d patches/$(SGLANG) ]; then \
 	  echo "--- ci-release $(SGLANG): check-patches ---"; \

@@ -92,6 +92,9 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_dropped_rooms.py", _IT + "test_mooncake_dropped_rooms.py"), "docs/fixes.md"),
     FixEntry("F18", (_CORE + "peer_record.py",), (_BACK + "mooncake/compatibility.py",), (),
              (), ("test/unit/test_peer_record.py", _IT + "test_mooncake_compatibility.py"), "docs/fixes.md"),
+    # Its differential test needs two venvs: the mixed-release stage (make mixed) runs it, not a leg's test stage.
+    FixEntry("F19", (_CORE + "prefill_answer.py",), (_BACK + "common/prefill_answer.py", _BACK + "common/compose.py"), (),
+             (), ("test/unit/test_prefill_answer.py", "test/mixed/test_newer_prefill.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.
@@ -112,10 +115,10 @@ ACTIVATION_TESTS = (
 
 def tests_for(proven) -> Tuple[str, ...]:
     """The test paths of a leg that proves ``proven`` (fix ids and ``releases.ACTIVATION``):
-    ``ALWAYS`` and each one's tests (test/servers excluded: that stage runs on its own)."""
+    ``ALWAYS`` and each one's tests (test/servers and test/mixed excluded: those stages run on their own)."""
     out = list(ALWAYS)
     for fix in proven:
         tests = ACTIVATION_TESTS if fix == releases.ACTIVATION else REGISTRY[fix].tests
-        out += [t for t in tests if not t.startswith("test/servers/") and t not in out]
+        out += [t for t in tests if not t.startswith(("test/servers/", "test/mixed/")) and t not in out]
     # A node id whose file already runs whole would run twice.
     return tuple(t for t in out if "::" not in t or t.split("::")[0] not in out)

@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -176,6 +176,9 @@ FIX_TITLES = {
     "F18": "Mooncake: -ext peers exchange a compatibility record at registration; prefill refuses a decode whose KV "
     "pages are laid out otherwise (page size, head dim, KV dtype: another model configuration), naming every "
     "differing field, instead of writing its pages at the wrong offsets",
+    "F19": "Decode reads the bootstrap answer of a prefill on a newer SGLang: served where the fields it does not "
+    "know are at values that leave the transfer unchanged, refused at once naming each field otherwise, instead "
+    "of failing to read it and losing every request to that prefill",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -198,6 +201,7 @@ FIX_BACKEND = {
     "F16": "all",
     "F17": "mooncake",
     "F18": "mooncake",
+    "F19": "all",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -331,23 +335,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L, "F17": _L, "F18": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -380,6 +384,19 @@ _ACTIVE_RELEASES = {
 # with prefill's ``item_len`` (0.5.10.post1 mooncake/conn.py:648 ... 0.5.23 :1189) and no wheel
 # compares it with decode's under equal attention TP (0.5.23 checks it only on the unified-memory
 # envelope path, ``_validate_envelope_kv_layout``): live everywhere, on the registration hook F6/F9 use.
+# F14 (decode's pairing check raises on its scheduler thread): ``try_ensure_parallel_info`` raises
+# "Page size mismatch" / "KV cache dtype mismatch" in every wheel (0.5.11 common/conn.py:231-253 ...
+# 0.5.23 :1318-1422) and decode's ``_ensure_prefill_info`` calls it with no handler (0.5.11
+# decode.py:631, 0.5.23 :1181-1222): live everywhere; covered on 0.5.23, where the real-server stage
+# proves it (test_pd_faults.py; 0.5.11's CPU server cannot start with the page size > 1 that test
+# gives the second prefill: its paged allocator runs Triton). F19 (a newer prefill's bootstrap answer): every wheel builds
+# ``PrefillServerInfo(**data)`` inside the lookup's ``except Exception`` (0.5.10.post1
+# common/conn.py:208, 0.5.11 :215, 0.5.23 :1309), so a field its class lacks fails the build each
+# second until 15 tries abort the requests (fields added: 0.5.16 enable_dsa_cache_layer_split,
+# prefill_http_port; 0.5.21 dsv41_spec_layout and 0.5.23 kv_layout, sent only when set; 0.5.22
+# decode_allocation_policy; 0.5.23 enable_kv_cache_sharding): live everywhere (on 0.5.23 for a
+# prefill newer than the newest release this plugin knows); covered on 0.5.11, whose decode the
+# mixed-release stage pairs with a 0.5.23 prefill (test/mixed).
 # A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
@@ -1112,6 +1129,20 @@ def declared_fields(cls) -> frozenset:
     for klass in cls.__mro__:
         names.update(getattr(klass, "__annotations__", {}))
     return frozenset(names)
+
+
+def stock_prefill_info_lookup():
+    """``(CommonKVManager.try_ensure_parallel_info, PrefillServerInfo)``: decode's lookup of a
+    prefill's parallel info and the class it builds the bootstrap answer into by that global name
+    (F19 runs the lookup with the name bound to its reader). None where either is missing or the
+    lookup does not name the class. Every table release has both (common/conn.py)."""
+    from sglang.srt.disaggregation.common import conn
+
+    lookup = getattr(conn.CommonKVManager, "try_ensure_parallel_info", None)
+    info_class = getattr(conn, "PrefillServerInfo", None)
+    if lookup is None or info_class is None or "PrefillServerInfo" not in lookup.__code__.co_names:
+        return None
+    return lookup, info_class
 
 
 def read_stock_f5() -> StockF5Facts:

@@ -6,6 +6,8 @@ class gets the live engine-independent mixins in front of it (outermost first). 
 
 * F14 (``prefill_pairing``): decode refuses a prefill it cannot pair with instead of raising on
   its scheduler thread.
+* F19 (``prefill_answer``, inside F14): decode refuses a prefill on a newer release by name instead
+  of failing to read its bootstrap answer.
 * F16 (``room_claims``): the sender and receiver classes (the engine's own routed ones, else
   SGLang's) refuse a second live request with a bootstrap room already in use.
 """
@@ -24,6 +26,12 @@ def _mixins(policy: ReleasePolicy) -> tuple:
         from sglang_disagg_ext.backends.common.prefill_pairing import PrefillPairingMixin
 
         mixins.append(("F14", PrefillPairingMixin))
+    if policy.is_live("F19"):
+        from sglang_disagg_ext import releases
+        from sglang_disagg_ext.backends.common.prefill_answer import NewerPrefillAnswerMixin
+
+        if releases.stock_prefill_info_lookup() is not None:
+            mixins.append(("F19", NewerPrefillAnswerMixin))
     return tuple(mixins)
 
 

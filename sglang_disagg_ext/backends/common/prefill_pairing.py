@@ -35,7 +35,53 @@ RECHECK_S = 30.0
 _FAILED = 0
 
 
-class PrefillPairingMixin:
+class PrefillRefusals:
+    """Decode's table of refused prefill addresses, shared by F14 and F19 (each refuses for its own
+    reason; a refused address is answered from memory for ``RECHECK_S``)."""
+
+    def _ext_answer_refused(self, bootstrap_addr: str) -> bool:
+        """True (and every room waiting for the address Failed) while its refusal is fresh."""
+        refusals = self._ext_refusals()
+        with self._ext_refusals_lock:
+            refused = refusals.get(bootstrap_addr)
+        if refused is not None and time.monotonic() - refused[1] < RECHECK_S:
+            self._ext_fail_rooms_of(bootstrap_addr, refused[0], refused[2])
+            return True
+        return False
+
+    def _ext_refuse_prefill(self, bootstrap_addr: str, reason: str, fix: str, metric_reason: str) -> None:
+        """Refuse the address: one ERROR per address and reason, its waiting rooms Failed."""
+        refusals = self._ext_refusals()
+        with self._ext_refusals_lock:
+            first = bootstrap_addr not in refusals or refusals[bootstrap_addr][0] != reason
+            refusals[bootstrap_addr] = (reason, time.monotonic(), (fix, metric_reason))
+        if first:
+            logger.error("%s (decode keeps serving every other prefill; asked again after %.0f s)", reason, RECHECK_S)
+        self._ext_fail_rooms_of(bootstrap_addr, reason, (fix, metric_reason))
+
+    def _ext_refusals(self) -> Dict[str, Tuple[str, float, Tuple[str, str]]]:
+        # Made on first use: the stock constructor may already run the scheduler's calls.
+        if "_ext_refused_prefills" not in self.__dict__:
+            self.__dict__.setdefault("_ext_refusals_lock", threading.Lock())
+            self.__dict__.setdefault("_ext_refused_prefills", {})
+        return self._ext_refused_prefills
+
+    def _ext_fail_rooms_of(self, bootstrap_addr: str, reason: str, counted: Tuple[str, str]) -> None:
+        """End every room waiting for ``bootstrap_addr`` Failed with ``reason`` (decode's receivers
+        read it: ``failure_exception`` raises it, and SGLang answers the request with it)."""
+        rooms = list(self.addr_to_rooms_tracker.get(bootstrap_addr, ()))
+        for room in rooms:
+            try:
+                if self.check_status(room) == _FAILED:
+                    continue
+            except KeyError:  # concluded and cleared meanwhile
+                continue
+            self.record_failure(room, reason)
+            self.update_status(room, _FAILED)
+            metrics.count("requests_refused_total", fix=counted[0], reason=counted[1])
+
+
+class PrefillPairingMixin(PrefillRefusals):
     """Decode side of F14; prefill is unchanged."""
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -48,43 +94,12 @@ class PrefillPairingMixin:
         rooms of ``addr_to_rooms_tracker[bootstrap_addr]``. It must not raise (that ends the decode
         process) and must not block longer than stock's own query does.
         """
-        refusals = self._ext_refusals()
-        with self._ext_refusals_lock:
-            refused = refusals.get(bootstrap_addr)
-        if refused is not None and time.monotonic() - refused[1] < RECHECK_S:
-            self._ext_fail_rooms_of(bootstrap_addr, refused[0])
+        if self._ext_answer_refused(bootstrap_addr):
             return False
         try:
             return super().try_ensure_parallel_info(bootstrap_addr)
         except Exception as exc:  # noqa: BLE001 - any raise here ends the decode process
             reason = (f"prefill {bootstrap_addr} cannot pair with this decode, its requests are refused: "
                       f"{type(exc).__name__}: {exc}")
-            with self._ext_refusals_lock:
-                first = bootstrap_addr not in refusals or refusals[bootstrap_addr][0] != reason
-                refusals[bootstrap_addr] = (reason, time.monotonic())
-            if first:
-                logger.error("%s (decode keeps serving every other prefill; asked again after %.0f s)",
-                             reason, RECHECK_S)
-            self._ext_fail_rooms_of(bootstrap_addr, reason)
+            self._ext_refuse_prefill(bootstrap_addr, reason, FIX, "prefill cannot pair with this decode")
             return False
-
-    def _ext_refusals(self) -> Dict[str, Tuple[str, float]]:
-        # Made on first use: the stock constructor may already run the scheduler's calls.
-        if "_ext_refused_prefills" not in self.__dict__:
-            self.__dict__.setdefault("_ext_refusals_lock", threading.Lock())
-            self.__dict__.setdefault("_ext_refused_prefills", {})
-        return self._ext_refused_prefills
-
-    def _ext_fail_rooms_of(self, bootstrap_addr: str, reason: str) -> None:
-        """End every room waiting for ``bootstrap_addr`` Failed with ``reason`` (decode's receivers
-        read it: ``failure_exception`` raises it, and SGLang answers the request with it)."""
-        rooms = list(self.addr_to_rooms_tracker.get(bootstrap_addr, ()))
-        for room in rooms:
-            try:
-                if self.check_status(room) == _FAILED:
-                    continue
-            except KeyError:  # concluded and cleared meanwhile
-                continue
-            self.record_failure(room, reason)
-            self.update_status(room, _FAILED)
-            metrics.count("requests_refused_total", fix=FIX, reason="prefill cannot pair with this decode")

@@ -44,7 +44,9 @@ class RequestResult:
     prefill_status: Optional[str] = None  # a KVPoll name; a non-final one means the side timed out there
     decode_status: Optional[str] = None
     prefill_seconds: Optional[float] = None  # from send() to the final state
-    decode_seconds: Optional[float] = None  # from send_metadata() to the final state
+    # from send_metadata() to the final state (decode_pending_queue: from the receiver's making,
+    # for a request that never got to send_metadata)
+    decode_seconds: Optional[float] = None
     bytes_verified: bool = False
     mismatches: List[str] = dataclasses.field(default_factory=list)
     error: Optional[str] = None

@@ -218,6 +218,12 @@ class Scenario:
     # serving another model configuration (F18). Its KV pages are then larger or smaller
     # than prefill's; one rank a side only.
     decode_kv_head_dim: int = 0
+    # Decode asks for prefill's parallel info as SGLang's pending queue does
+    # (``DecodePreallocQueue._ensure_prefill_info``: per request, after its receiver is made
+    # and before its ``init``, once a second, at most 15 times, then the receiver aborted)
+    # instead of waiting for it once at startup. For a prefill decode may never pair with
+    # (F19: a newer release); one rank a side only.
+    decode_pending_queue: bool = False
     # Requests run ``wave`` at a time on each side (all senders / receivers of a
     # wave made, then sent, then polled together; decode checks the wave's bytes
     # and resets its pools after it). 1: one after another. Multi-rank: each side's
@@ -296,6 +302,8 @@ class Scenario:
             raise ScenarioError(
                 f"{self.name}: decode_kv_head_dim must be 0 (as prefill) or an int >= 1, one rank a side; got {d!r}"
             )
+        if self.decode_pending_queue and (self.multi_rank or self.wave != 1):
+            raise ScenarioError(f"{self.name}: decode_pending_queue runs one rank a side, one request at a time")
         _check_ranks(self)
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")

@@ -269,7 +269,12 @@ class Worker:
         self.KVPoll = ss.kvpoll()
         self.mark("manager")
 
-        if self.role == "decode":
+        if self.role == "decode" and self.scn.decode_pending_queue:
+            # Requests start once prefill's bootstrap server answers (what a router's health check
+            # gives a real decode); reading the answer is left to each request, as SGLang does.
+            self._wait_bootstrap_answer(deadline)
+            self.mark("prefill_info")
+        elif self.role == "decode":
             while not ss.try_ensure_prefill_info(self.mgr, self.bootstrap_addr):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -530,9 +535,16 @@ class Worker:
         receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["receiver_class"] = self.ss.class_name(receiver)
         rec["phases"]["receiver"] = round(time.time(), 3)
+        trace = rec["polls"]
+        t_made = time.monotonic()
+        if self.scn.decode_pending_queue and not self._ensure_prefill_info_as_queued(receiver, trace):
+            state = self._poll_until(receiver, FINAL, deadline, trace)
+            rec["seconds"] = round(time.monotonic() - t_made, 4)
+            rec["status"] = state
+            self.verify(index, rec)
+            return
         receiver.init(0)
         rec["phases"]["init"] = round(time.time(), 3)
-        trace = rec["polls"]
         state = self._poll_until(receiver, ("WaitingForInput",) + FINAL, deadline, trace)
         # SGLang's waiting timeout runs from each rank's send_metadata and the
         # prefill serves the room only once every decode rank has sent: a rank
@@ -556,6 +568,41 @@ class Worker:
         rec["status"] = state
         self._run_decode_hook(rec)
         self.verify(index, rec)
+
+    def _wait_bootstrap_answer(self, deadline: float) -> None:
+        import requests
+
+        url = (f"http://{self.bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+               f"&target_tp_rank=-1&target_pp_rank=-1")
+        while True:
+            try:
+                if requests.get(url, timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill's bootstrap server {self.bootstrap_addr} never answered within "
+                                   f"startup_s={self.scn.timeouts.startup_s}")
+            time.sleep(0.1)
+
+    # SGLang's pending queue: one attempt a second, 15 attempts, then the receiver aborted
+    # (``_ensure_retry_interval``, ``_max_ensure_retries``: the same in every wheel 0.5.10.post1-0.5.23).
+    QUEUE_RETRY_S, QUEUE_MAX_TRIES = 1.0, 15
+
+    def _ensure_prefill_info_as_queued(self, receiver, trace: list) -> bool:
+        """What ``DecodePreallocQueue._ensure_prefill_info`` does for one waiting request (the
+        harness stands in for decode's scheduler): True once prefill's info is there; False when
+        the receiver was ended meanwhile (a refusal) or the tries ran out (receiver aborted)."""
+        for _ in range(self.QUEUE_MAX_TRIES):
+            if self.ss.try_ensure_prefill_info(self.mgr, self.bootstrap_addr):
+                return True
+            name = self.ss.poll_name(receiver.poll())
+            trace.append([name, round(_now(), 3)])
+            if name in FINAL:
+                return False
+            time.sleep(self.QUEUE_RETRY_S)
+        receiver.abort()
+        return False
 
     def _run_decode_hook(self, rec: Dict[str, Any]) -> None:
         """``SGLANG_HARNESS_DECODE_HOOK=<file.py>:<function>``: call ``function(pools,
