@@ -335,22 +335,22 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _X, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _X, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X}, True),
 }
 
@@ -387,9 +387,10 @@ _ACTIVE_RELEASES = {
 # F14 (decode's pairing check raises on its scheduler thread): ``try_ensure_parallel_info`` raises
 # "Page size mismatch" / "KV cache dtype mismatch" in every wheel (0.5.11 common/conn.py:231-253 ...
 # 0.5.23 :1318-1422) and decode's ``_ensure_prefill_info`` calls it with no handler (0.5.11
-# decode.py:631, 0.5.23 :1181-1222): live everywhere; covered on 0.5.23, where the real-server stage
-# proves it (test_pd_faults.py; 0.5.11's CPU server cannot start with the page size > 1 that test
-# gives the second prefill: its paged allocator runs Triton). F19 (a newer prefill's bootstrap answer): every wheel builds
+# decode.py:631, 0.5.23 :1181-1222): live everywhere; covered on every CI release by the harness
+# (test_decode_pairing_check.py: the check raises into decode's scheduler, -ext refuses) and on 0.5.23
+# through real servers (test_pd_faults.py: stock's decode process exits; 0.5.11's CPU server cannot
+# start with the page size > 1 that test gives the second prefill, its paged allocator runs Triton). F19 (a newer prefill's bootstrap answer): every wheel builds
 # ``PrefillServerInfo(**data)`` inside the lookup's ``except Exception`` (0.5.10.post1
 # common/conn.py:208, 0.5.11 :215, 0.5.23 :1309), so a field its class lacks fails the build each
 # second until 15 tries abort the requests (fields added: 0.5.16 enable_dsa_cache_layer_split,

@@ -24,10 +24,10 @@ def test_a_leg_runs_the_tests_of_what_it_proves():
     assert got == ("test/unit/test_release_facts.py", "test/integration/test_metadata_gate.py",
                    "test/integration/test_nixl_swa_tp.py")
     got = fix_registry.tests_for(("F9", "F14", releases.ACTIVATION))
-    assert got[:3] == ("test/unit/test_release_facts.py", "test/integration/test_mooncake_registration.py",
-                       "test/unit/test_prefill_pairing.py")
+    assert got[:4] == ("test/unit/test_release_facts.py", "test/integration/test_mooncake_registration.py",
+                       "test/unit/test_prefill_pairing.py", "test/integration/test_decode_pairing_check.py")
     # activation: node ids, each once
-    assert got[3:] == fix_registry.ACTIVATION_TESTS
+    assert got[4:] == fix_registry.ACTIVATION_TESTS
     # a node id whose file a fix runs whole is not run again
     assert fix_registry.tests_for(("F12", releases.ACTIVATION)).count("test/integration/test_mori_ext.py") == 1
 

@@ -39,7 +39,8 @@ X = FixStatus.UNCOVERED
 # F14 (decode's pairing check raises on its scheduler thread): live in every wheel
 # 0.5.10.post1-0.5.23 (CommonKVManager.try_ensure_parallel_info, 0.5.10.post1 common/conn.py:228 ...
 # 0.5.23 :1321, called from DecodePreallocQueue._ensure_prefill_info with no handler); proven (stock's
-# decode exits, -ext's serves on) by the real-server stage on 0.5.23 only: elsewhere not covered yet.
+# decode exits, -ext's serves on) by the real-server stage on 0.5.23, and on every CI release by the
+# harness (the check raises into decode's scheduler; -ext refuses): covered everywhere but 0.5.12.
 # F15 (NIXL prefill's bootstrap loop has no per-message handler: one foreign or malformed message
 # ends the thread): live in every wheel 0.5.10.post1-0.5.23 (0.5.10.post1 nixl/conn.py:850-884 ...
 # 0.5.23 :3355-3426; 0.5.21+ only log before the thread ends).
@@ -58,22 +59,22 @@ X = FixStatus.UNCOVERED
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L, X)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, L)),
     ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X, X)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, X, L, L, X, L, X)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, X, L, L, X, L, X)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, X, L, L, L, L, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X)),
 ]
 

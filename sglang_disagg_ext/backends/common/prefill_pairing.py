@@ -13,8 +13,9 @@ every request waiting for that address ends Failed at once with that reason (dec
 then answers it with an error, as for any failed transfer), and so does every later request to
 it, without asking it again, until the refusal is ``RECHECK_S`` old; then the next request asks
 again (a prefill restarted with the right flags is served). Every other prefill is served as
-before. Composed over every engine's ``-ext`` manager where the check raises
-(``releases.features().decode_pairing_check``), by ``backends.common.compose``.
+before. Composed over every engine's ``-ext`` manager where F14 is live (every release with a CI
+leg: the check raises in every wheel), by ``backends.common.compose``. The table of refused
+prefills (:class:`PrefillRefusals`) is shared with F19, which refuses a prefill on a newer release.
 """
 
 from __future__ import annotations

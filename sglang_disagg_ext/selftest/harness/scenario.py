@@ -224,6 +224,10 @@ class Scenario:
     # instead of waiting for it once at startup. For a prefill decode may never pair with
     # (F19: a newer release); one rank a side only.
     decode_pending_queue: bool = False
+    # Decode's page size when it differs from ``page_size`` (0: the same): a decode started with
+    # another ``--page-size`` (its server arguments and pools), which SGLang's pairing check
+    # refuses before any transfer (F14). Only with decode_pending_queue (no byte may move).
+    decode_page_size: int = 0
     # Requests run ``wave`` at a time on each side (all senders / receivers of a
     # wave made, then sent, then polled together; decode checks the wave's bytes
     # and resets its pools after it). 1: one after another. Multi-rank: each side's
@@ -302,6 +306,10 @@ class Scenario:
             raise ScenarioError(
                 f"{self.name}: decode_kv_head_dim must be 0 (as prefill) or an int >= 1, one rank a side; got {d!r}"
             )
+        p = self.decode_page_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0 or (p and not self.decode_pending_queue):
+            raise ScenarioError(f"{self.name}: decode_page_size must be 0 (as prefill) or an int >= 1, "
+                                f"with decode_pending_queue; got {p!r}")
         if self.decode_pending_queue and (self.multi_rank or self.wave != 1):
             raise ScenarioError(f"{self.name}: decode_pending_queue runs one rank a side, one request at a time")
         _check_ranks(self)

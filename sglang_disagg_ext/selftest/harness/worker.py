@@ -167,10 +167,13 @@ class Worker:
                 self.result["shim"] = f"nixl host-memory shim not installed: pools are on {self.opts.device}"
         self.tp_rank = self.args.tp_rank
         self.tp_size = self.scn.prefill_tp if self.role == "prefill" else self.scn.decode_tp
+        # This side's --page-size (Scenario.decode_page_size: a decode started with another).
+        self.page_size = (self.scn.decode_page_size if self.role == "decode" and self.scn.decode_page_size
+                          else self.scn.page_size)
         self.result["tp"] = [self.tp_rank, self.tp_size]
         try:
             sa = ss.make_server_args(
-                self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.scn.page_size,
+                self.args.model_dir, self.role, self.args.backend, self.args.bootstrap_port, self.page_size,
                 tp_size=self.tp_size, device=self.opts.device, ib_device=self.opts.ib_device,
             )
         except Exception as exc:
@@ -310,7 +313,7 @@ class Worker:
                 self.kv_heads = None  # a layout SGLang cannot shard: bytes are not checked
         head_dim = scn.decode_kv_head_dim if self.role == "decode" and scn.decode_kv_head_dim else scn.kv.head_dim
         self.kv_pool = ss.make_mha_pool(
-            scn.kv.num_pages, scn.page_size, dtype, pool_heads, head_dim, scn.num_layers, device=device
+            scn.kv.num_pages, self.page_size, dtype, pool_heads, head_dim, scn.num_layers, device=device
         )
         ptrs, lens, items = self.kv_pool.get_contiguous_buf_infos()
         self.pools = [_Pool(KV_POOL_ID, "kv", ss.mha_pool_tensors(self.kv_pool), ptrs, lens, items)]
@@ -345,7 +348,7 @@ class Worker:
                             spec.head_num, spec.head_dim * size, size, spec.num_layers, held
                         )
                 pool = ss.make_mha_pool(
-                    spec.num_pages, scn.page_size, state_dtype, heads, spec.head_dim,
+                    spec.num_pages, self.page_size, state_dtype, heads, spec.head_dim,
                     spec.layers_on(self.role), device=device,
                 )
                 self._state_keepalive.append(pool)
