@@ -43,7 +43,8 @@ def stages(path: str):
 
 
 def summaries(log_text: str):
-    """stage -> pytest's summary line in that stage of a leg's log."""
+    """stage -> pytest's summary line in that stage of a leg's log (several pytest runs in one
+    stage, as in ``mixed``: their lines joined by " + ")."""
     out, stage = {}, None
     for line in log_text.splitlines():
         m = skip_baseline.STAGE.match(line.strip())
@@ -52,7 +53,7 @@ def summaries(log_text: str):
             continue
         m = SUMMARY.match(line.strip())
         if m and stage:
-            out[stage] = m.group(1)
+            out[stage] = out[stage] + " + " + m.group(1) if stage in out else m.group(1)
     return out
 
 

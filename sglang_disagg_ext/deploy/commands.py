@@ -67,6 +67,20 @@ class ServerSpec:
         return " ".join(prefix + [shlex.join(self.argv)])
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerRuntime:
+    """The Python environment a server runs from: its interpreter, the module run as the server
+    (``resolve_server_module``) and that environment's SGLang release with the one switch the
+    commands depend on. Prefill and decode may have different ones (``launch-pd --prefill-python``
+    / ``--decode-python``: a rolling upgrade rehearsed on one host)."""
+
+    python: str
+    server_module: str
+    sglang_version: Optional[str] = None
+    # --device cpu: whether this release's ServerArgs has --disaggregation-decode-retraction-backup.
+    decode_backup_flag: bool = False
+
+
 @dataclasses.dataclass
 class PDOptions:
     model_path: str
@@ -90,8 +104,6 @@ class PDOptions:
     # sglang_router's Prometheus exporter port (its default, 29000, is taken by a second router
     # on the same host); None: the router's default.
     router_metrics_port: Optional[int] = None
-    # --device cpu: whether this SGLang has --disaggregation-decode-retraction-backup.
-    decode_backup_flag: bool = False
 
     @property
     def decode_gpu(self) -> int:
@@ -201,11 +213,11 @@ def resolve_server_module(policy: ReleasePolicy, backend: str) -> str:
     return policy.server_module
 
 
-def _pd_server(opts: PDOptions, python: str, server_module: str, mode: str) -> ServerSpec:
+def _pd_server(opts: PDOptions, runtime: ServerRuntime, mode: str) -> ServerSpec:
     port = opts.prefill_port if mode == "prefill" else opts.decode_port
     tp = opts.prefill_tp if mode == "prefill" else opts.decode_tp
     gpu = opts.prefill_base_gpu_id if mode == "prefill" else opts.decode_gpu
-    argv = [python, "-m", server_module, "--model-path", opts.model_path]
+    argv = [runtime.python, "-m", runtime.server_module, "--model-path", opts.model_path]
     if opts.trust_remote_code:
         argv.append("--trust-remote-code")
     argv += [
@@ -222,7 +234,7 @@ def _pd_server(opts: PDOptions, python: str, server_module: str, mode: str) -> S
     env = dict(TCP_ENV) if opts.protocol == "tcp" else {}
     if opts.device == "cpu":
         argv += list(CPU_SERVER_ARGS)
-        if mode == "decode" and opts.decode_backup_flag:
+        if mode == "decode" and runtime.decode_backup_flag:
             argv += list(CPU_DECODE_BACKUP_ARGS)
         env.update(CPU_ENV)
         if mode == "prefill":
@@ -247,12 +259,14 @@ def router_spec(opts: PDOptions, python: str) -> ServerSpec:
     return ServerSpec("router", argv, base_url(opts.host, opts.router_port), opts.router_port)
 
 
-def build_pd_servers(opts: PDOptions, python: str, server_module: str) -> List[ServerSpec]:
-    """Prefill, decode and router, in start order. Call ``validate_pd_options`` first."""
+def build_pd_servers(opts: PDOptions, prefill: ServerRuntime, decode: Optional[ServerRuntime] = None,
+                     router_python: Optional[str] = None) -> List[ServerSpec]:
+    """Prefill, decode and router, in start order. Call ``validate_pd_options`` first.
+    ``decode`` defaults to prefill's runtime, ``router_python`` to prefill's interpreter."""
     return [
-        _pd_server(opts, python, server_module, "prefill"),
-        _pd_server(opts, python, server_module, "decode"),
-        router_spec(opts, python),
+        _pd_server(opts, prefill, "prefill"),
+        _pd_server(opts, decode or prefill, "decode"),
+        router_spec(opts, router_python or prefill.python),
     ]
 
 

@@ -15,7 +15,9 @@ run folder; ``stop`` ends exactly those PIDs (and their descendants).
 
 The server module follows the installed release (``releases.ReleasePolicy.server_module``):
 ``sglang.launch_server`` where SGLang loads the plugin itself, the plugin's
-``sglang_disagg_ext.launch_server`` on 0.5.10.post1. The router is
+``sglang_disagg_ext.launch_server`` on 0.5.10.post1. ``--prefill-python`` / ``--decode-python``
+run a server from another environment (another SGLang release: a rolling upgrade rehearsed on
+one host); its module and flags follow that environment's release, read by running it. The router is
 ``sglang_router.launch_router --pd-disaggregation`` when installed, else the
 in-tree ``sglang_disagg_ext.deploy.mini_lb`` (no SGLang release in range ships one).
 
@@ -26,6 +28,7 @@ Exit codes: 0 ready (or dry run printed), 2 bad options or a failed check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import shlex
@@ -91,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-args", default="", help="extra arguments for decode only")
     p.add_argument("--server-module", default=None,
                    help="module run as `python -m MODULE` for both servers (default: per SGLang release)")
+    p.add_argument("--prefill-python", default=None,
+                   help="Python interpreter of the environment prefill runs from (default: this one); "
+                        "with --decode-python, two SGLang releases side by side, as in a rolling upgrade. "
+                        "The plugin must be installed there for an -ext backend")
+    p.add_argument("--decode-python", default=None,
+                   help="Python interpreter of the environment decode runs from (default: this one)")
     p.add_argument("--run-dir", type=Path, default=None, help="folder for run.json and logs (default runs/pd-...)")
     p.add_argument("--timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT,
                    help=f"seconds to wait for /health on all three (default {DEFAULT_HEALTH_TIMEOUT:g})")
@@ -246,6 +255,53 @@ def preflight(opts: cmds.PDOptions, specs: List[cmds.ServerSpec], skip_gpu_check
     return notes
 
 
+def runtime_facts(backend: str, device: str) -> dict:
+    """This environment's ``ServerRuntime`` fields for ``backend`` (``server_runtime`` runs this
+    in another interpreter); ``{"error": ...}`` where it cannot serve that backend."""
+    from sglang_disagg_ext import releases
+
+    policy = releases.current_policy()
+    try:
+        module = cmds.resolve_server_module(policy, backend)
+    except DeployError as exc:
+        return {"error": str(exc)}
+    backup = device == "cpu" and policy.version is not None and releases.features().server_args_decode_retraction_backup
+    return {"python": sys.executable, "server_module": module, "sglang_version": policy.version,
+            "decode_backup_flag": bool(backup)}
+
+
+_RUNTIME_PROBE = ("import json, sys; from sglang_disagg_ext.deploy.launch_pd import runtime_facts; "
+                  "print(json.dumps(runtime_facts(sys.argv[1], sys.argv[2])))")
+
+
+def server_runtime(flag: str, python: Optional[str], backend: str, device: str) -> cmds.ServerRuntime:
+    """The runtime of a server started from ``python`` (None: this interpreter). Another
+    interpreter is asked by running it: its release decides its server module and flags."""
+    import json
+    import subprocess
+
+    if python is None:
+        facts = runtime_facts(backend, device)
+    else:
+        try:
+            done = subprocess.run([python, "-c", _RUNTIME_PROBE, backend, device], capture_output=True, text=True,
+                                  timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise DeployError(f"{flag} {python}: cannot run it: {exc}") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DeployError(f"{flag} {python}: cannot read its SGLang release and plugin ({last}); "
+                              "install SGLang and sglang-disagg-ext in that environment")
+        facts = json.loads(done.stdout.strip().splitlines()[-1])
+    if "error" in facts:
+        raise DeployError(facts["error"] if python is None else f"{flag} {python}: {facts['error']}")
+    if facts["sglang_version"] is None:
+        raise DeployError(f"SGLang is not installed in {python or facts['python']}"
+                          + (f" ({flag})" if python is not None else ""))
+    # The command names the interpreter as the operator gave it (a venv's bin/python, a wrapper).
+    return cmds.ServerRuntime(**dict(facts, python=python or facts["python"]))
+
+
 def _raise_interrupt(signum, frame):
     raise Interrupted(signal.Signals(signum).name)
 
@@ -259,10 +315,11 @@ def start(args) -> int:
         for warning in cmds.validate_pd_options(opts):
             _err(f"warning: {warning}")
         policy = releases.current_policy()
-        if opts.device == "cpu" and policy.version is not None:
-            opts.decode_backup_flag = releases.features().server_args_decode_retraction_backup
-        module = args.server_module or cmds.resolve_server_module(policy, opts.backend)
-        specs = cmds.build_pd_servers(opts, sys.executable, module)
+        runtimes = {role: server_runtime(f"--{role}-python", python, opts.backend, opts.device)
+                    for role, python in (("prefill", args.prefill_python), ("decode", args.decode_python))}
+        if args.server_module:
+            runtimes = {role: dataclasses.replace(rt, server_module=args.server_module) for role, rt in runtimes.items()}
+        specs = cmds.build_pd_servers(opts, runtimes["prefill"], runtimes["decode"], router_python=sys.executable)
     except DeployError as exc:
         _err(str(exc))
         return 2
@@ -295,9 +352,10 @@ def start(args) -> int:
     launcher.record.data.update(
         {
             "sglang_version": policy.version,
+            "server_sglang_versions": {role: rt.sglang_version for role, rt in runtimes.items()},
             "backend": opts.backend,
             "router": opts.router,
-            "server_module": module,
+            "server_module": runtimes["prefill"].server_module,
             "router_url": specs[2].url,
         }
     )
@@ -324,7 +382,10 @@ def start(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_term)
 
-    print(f"PD deployment ready: SGLang {policy.version}, backend {opts.backend}, router {opts.router}")
+    versions = {rt.sglang_version for rt in runtimes.values()}
+    release = (f"SGLang {versions.pop()}" if len(versions) == 1 else
+               f"prefill on SGLang {runtimes['prefill'].sglang_version}, decode on {runtimes['decode'].sglang_version}")
+    print(f"PD deployment ready: {release}, backend {opts.backend}, router {opts.router}")
     for entry in launcher.record.servers:
         print(f"  {entry['name']:<8} pid {entry['pid']:<8} {entry['url']:<28} log {entry['log']}")
     print(f"router URL: {specs[2].url}")

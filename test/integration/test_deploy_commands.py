@@ -47,7 +47,7 @@ MINI_LB = [PY, "-m", "sglang_disagg_ext.deploy.mini_lb", "--prefill", "http://12
 def test_three_commands_per_release(release, module):
     o = opts(prefill_tp=2, decode_tp=1)
     assert cmds.validate_pd_options(o) == []
-    specs = cmds.build_pd_servers(o, PY, cmds.resolve_server_module(policy_for(release), o.backend))
+    specs = cmds.build_pd_servers(o, cmds.ServerRuntime(PY, cmds.resolve_server_module(policy_for(release), o.backend)))
     assert [s.name for s in specs] == ["prefill", "decode", "router"]
     assert specs[0].argv == expected_server(module, "prefill", 30000, 2, 0)
     # decode starts on the first GPU after prefill's two
@@ -63,7 +63,7 @@ def test_sglang_router_ib_device_and_extra_args():
     o = opts(router="sglang-router", ib_device="mlx5_0", decode_base_gpu_id=4,
              prefill_extra_args=("--mem-fraction-static", "0.5"), decode_extra_args=("--page-size", "16"),
              trust_remote_code=True)
-    specs = cmds.build_pd_servers(o, PY, "sglang.launch_server")
+    specs = cmds.build_pd_servers(o, cmds.ServerRuntime(PY, "sglang.launch_server"))
     assert specs[0].argv == [
         PY, "-m", "sglang.launch_server", "--model-path", "/models/llama", "--trust-remote-code",
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "8998",
@@ -84,7 +84,7 @@ def test_sglang_router_ib_device_and_extra_args():
 @pytest.mark.timeout(30)
 def test_tcp_sets_mooncake_env_and_shell_line_shows_it():
     o = opts(protocol="tcp")
-    prefill, decode, router = cmds.build_pd_servers(o, PY, "sglang.launch_server")
+    prefill, decode, router = cmds.build_pd_servers(o, cmds.ServerRuntime(PY, "sglang.launch_server"))
     assert prefill.env == decode.env == {"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"}
     assert router.env == {}
     assert prefill.shell_line() == "MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp " + " ".join(

@@ -416,3 +416,40 @@ def test_free_ports_are_distinct_and_bindable():
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def _interpreter(tmp_path, name, flags=""):
+    """A wrapper that runs this interpreter (another environment's ``bin/python`` in a real upgrade)."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\nexec {sys.executable} {flags} \"$@\"\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+def test_decode_python_runs_decode_from_another_environment(tmp_path, model_dir):
+    """``--decode-python``: decode's command starts with that interpreter (asked for its release by
+    running it); prefill and router keep this one. An interpreter that cannot run, or that has no
+    plugin, is refused before anything starts, naming the flag."""
+    other = _interpreter(tmp_path, "python-other")
+    out = run_launcher(["start", "--dry-run", "--device", "cpu", "--model-path", str(model_dir), "--router", "mini-lb",
+                        "--decode-python", other], timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    prefill, decode, router = out.stdout.splitlines()
+    module = ("sglang_disagg_ext.launch_server" if installed_sglang_version() == "0.5.10.post1"
+              else "sglang.launch_server")
+    # Each line: extra environment as NAME=value, then the interpreter.
+    assert f" {sys.executable} -m {module} " in prefill and "--disaggregation-mode prefill" in prefill
+    assert f" {other} -m {module} " in decode and "--disaggregation-mode decode" in decode
+    assert router.startswith(f"{sys.executable} -m sglang_disagg_ext.deploy.mini_lb")
+
+    out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir), "--skip-gpu-check",
+                        "--prefill-python", str(tmp_path / "missing")], timeout=240, cwd=tmp_path)
+    assert out.returncode == 2 and f"--prefill-python {tmp_path / 'missing'}: cannot run it" in out.stderr, out.stderr
+    # -S: no site-packages, so neither SGLang nor the plugin can be imported there.
+    bare = _interpreter(tmp_path, "python-bare", "-S")
+    out = run_launcher(["start", "--dry-run", "--model-path", str(model_dir), "--skip-gpu-check",
+                        "--decode-python", bare], timeout=240, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"--decode-python {bare}: cannot read its SGLang release and plugin (ModuleNotFoundError" in out.stderr
+    assert not (tmp_path / "runs").exists()

@@ -45,10 +45,11 @@ def page_size() -> int:
     return 16 if releases.features().paged_allocator_serves_cpu else 1
 
 
-def server_flags() -> List[str]:
+def server_flags(page: Optional[int] = None) -> List[str]:
     """The same flags on every server, PD or colocated, so that both compute the same numbers.
-    No radix cache: a cached prefix would change how a prompt is computed between two runs."""
-    return ["--page-size", str(page_size()), "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
+    No radix cache: a cached prefix would change how a prompt is computed between two runs.
+    ``page``: the page size (default ``page_size()``, this release's)."""
+    return ["--page-size", str(page or page_size()), "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
             "--mem-fraction-static", "0.05", "--disable-radix-cache", "--random-seed", "0", "--enable-metrics",
             "--log-level", "info"]
 MAX_NEW_TOKENS = 24
@@ -185,8 +186,12 @@ class PDPair:
 
     def __init__(self, run_dir: Path, backend: str, model: str, fault_dir: Optional[Path] = None,
                  prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, page: Optional[int] = None,
+                 prefill_python: Optional[str] = None, decode_python: Optional[str] = None):
         self.run_dir, self.backend, self.model = Path(run_dir), backend, model
+        self.page = page
+        # Another environment's interpreter for a server (launch-pd --prefill-python/--decode-python).
+        self.pythons = {"prefill": prefill_python, "decode": decode_python}
         self.fault_dir = fault_dir
         self.prefill_args, self.decode_args = list(prefill_args), list(decode_args)
         self.env = server_env(fault_dir, env)
@@ -197,7 +202,10 @@ class PDPair:
     def launch_argv(self) -> List[str]:
         argv = CLI + ["launch-pd", "start", "--device", "cpu", "--model-path", self.model, "--backend", self.backend,
                       "--router", "sglang-router", "--run-dir", str(self.run_dir), "--timeout", "600",
-                      "--server-args", shlex.join(server_flags())]
+                      "--server-args", shlex.join(server_flags(self.page))]
+        for role, python in self.pythons.items():
+            if python:
+                argv += [f"--{role}-python", python]
         if self.backend.startswith("mooncake"):
             argv += ["--protocol", "tcp"]
         if self.prefill_args:
