@@ -32,13 +32,13 @@ TRUTH = {
     **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18"}, True) for r in (
         "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
         "0.5.20", "0.5.21")},
-    "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18"}, True),
+    "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F19"}, True),
     # F15 (NIXL prefill's bootstrap loop dies of one bad message: every wheel) live on every release,
     # and F16 (a second live request admitted into a room in use: every wheel).
     # F14 (decode's pairing check raising on its scheduler thread, try_ensure_parallel_info: every
     # wheel) is covered on every release with a CI leg (test_decode_pairing_check.py; on 0.5.23 also the
-    # real-server stage). F19 (a newer prefill's bootstrap answer, every wheel) is covered on 0.5.11,
-    # the decode of the mixed-release stage. F17 (decode's
+    # real-server stage). F19 (a newer prefill's bootstrap answer, every wheel) is covered on 0.5.11 and
+    # 0.5.22, the decodes of the mixed-release stage. F17 (decode's
     # metadata for a room prefill dropped, stored by every wheel's Mooncake bootstrap thread) is
     # covered from 0.5.22 (its adapter's hook, _handle_abort_notification, exists from there). F18
     # (decode's KV pages addressed with prefill's item_len: every wheel) is live and covered everywhere.

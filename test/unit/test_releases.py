@@ -54,8 +54,8 @@ X = FixStatus.UNCOVERED
 # every wheel's _send_kvcache_generic (0.5.10.post1 mooncake/conn.py:648 ... 0.5.23 :1189): live and
 # covered everywhere (the registration hook F6/F9 use).
 # F19 (a newer prefill's bootstrap answer: PrefillServerInfo(**data) inside the lookup's catch-all,
-# every wheel, 0.5.10.post1 common/conn.py:208 ... 0.5.23 :1309): live everywhere; covered on 0.5.11,
-# whose decode the mixed-release stage pairs with a 0.5.23 prefill.
+# every wheel, 0.5.10.post1 common/conn.py:208 ... 0.5.23 :1309): live everywhere; covered on 0.5.11 and
+# 0.5.22, whose decodes the mixed-release stage pairs with a 0.5.23 prefill.
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
 EXPECTED = [
@@ -74,7 +74,7 @@ EXPECTED = [
     ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
     ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
     ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X)),
 ]
 

@@ -150,7 +150,8 @@ def test_prefill_upgraded_first_is_refused(servers):
     assert (_info_release(pair, "prefill"), _info_release(pair, "decode")) == (NEWER, older)
     unknown = [f for r, fields in ADDED.items() if Version(older) < Version(r) <= Version(NEWER) for f in fields]
     assert unknown, f"SGLang {older}'s decode knows every field of {NEWER}'s answer"
-    results = cs.stream(pair.router_url, cs.PROMPTS[:2], concurrency=1, timeout=REFUSED_BOUND_S + 30)
+    # One request: the router tries it five times, so one ERROR over five refusals shows "one per prefill".
+    results = cs.stream(pair.router_url, cs.PROMPTS[:1], concurrency=1, timeout=REFUSED_BOUND_S + 30)
     for status, body, seconds in results:
         # The client's error carries decode's reason (SGLang's router passes decode's message on).
         assert status >= 400 and "upgrade decode before prefill" in str(body), (status, body, pair.log_tails())
@@ -159,7 +160,7 @@ def test_prefill_upgraded_first_is_refused(servers):
     refusals = [m.group(0) + decode_log[m.end():].split("\n", 1)[0] for m in PLUGIN_REFUSAL.finditer(decode_log)]
     assert len(refusals) == 1, ("one ERROR per prefill", refusals, pair.log_tails())
     handshakes = [line for line in decode_log.splitlines() if line.split("] ", 1)[-1].startswith("Decode handshake")]
-    assert len(handshakes) >= len(results) and all("upgrade decode before prefill" in h for h in handshakes), \
+    assert len(handshakes) >= 2 and all("upgrade decode before prefill" in h for h in handshakes), \
         handshakes
     assert f"(SGLang {older})" in refusals[0] and "upgrade decode before prefill" in refusals[0], refusals[0]
     assert all(f"{field}=" in refusals[0] for field in unknown), (unknown, refusals[0])
