@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--orphan-rate", type=_rate, default=1 / 64,
                       help="share of the valid soak requests prefill never admits (F17; Mooncake, one rank a "
                            "side, where F17 is covered; default 1/64)")
+    soak.add_argument("--mismatched-rate", type=_rate, default=1 / 64,
+                      help="share of the valid soak requests sent by a second decode process whose KV head dim "
+                           "is twice prefill's (F18's mismatched peer; Mooncake, one rank a side; default 1/64)")
     soak.add_argument("--seed", type=int, default=0, help="soak request generator seed (default 0)")
     soak.add_argument("--no-restart", action="store_true",
                       help="keep the decode worker up (default: it is killed in the middle wave and restarted)")

@@ -408,8 +408,13 @@ def soak_main(args, policy, options) -> int:
         print(f"[selftest] soak: no orphan rooms (F17: Mooncake, one rank a side, covered on SGLang "
               f"{policy.version}: {policy.is_live('F17')})", file=sys.stderr)
         orphan_rate = 0.0
+    mismatched_rate = getattr(args, "mismatched_rate", 0.0)
+    if mismatched_rate > 0 and (family != "mooncake" or tp != (1, 1)):
+        print("[selftest] soak: no mismatched peer (Mooncake, one rank a side)", file=sys.stderr)
+        mismatched_rate = 0.0
     cfg = soak.SoakConfig(requests=args.requests, wave=args.wave, fault_rate=fault_rate,
                           bad_rate=args.bad_rate, duplicate_rate=duplicate_rate, orphan_rate=orphan_rate,
+                          mismatched_rate=mismatched_rate,
                           seed=args.seed,
                           restart_decode=not getattr(args, "no_restart", False) and tp == (1, 1),
                           prefill_tp=tp[0], decode_tp=tp[1], state=state)
@@ -421,7 +426,8 @@ def soak_main(args, policy, options) -> int:
     backends = [f"{family}-ext"] if getattr(args, "ext_only", False) else [family, f"{family}-ext"]
     print(f"[selftest] soak on SGLang {policy.version}: {cfg.requests} requests, {cfg.wave} at a time, "
           f"fault rate {cfg.fault_rate:g}, bad-index rate {cfg.bad_rate:g}, duplicate-room rate "
-          f"{cfg.duplicate_rate:g}, orphan-room rate {cfg.orphan_rate:g}, seed {cfg.seed}, decode restarted "
+          f"{cfg.duplicate_rate:g}, orphan-room rate {cfg.orphan_rate:g}, mismatched-peer rate "
+          f"{cfg.mismatched_rate:g}, seed {cfg.seed}, decode restarted "
           f"{'in wave %d' % cfg.restart_wave() if cfg.restart_wave() is not None else 'never'}, "
           f"prefill TP {cfg.prefill_tp} -> decode TP {cfg.decode_tp}, "
           f"{'SWA state, ' if cfg.state else ''}KV and aux", file=sys.stderr)

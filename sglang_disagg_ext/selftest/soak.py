@@ -9,9 +9,12 @@ one aux row each. A share ``fault_rate`` of requests target a decode KV page
 whose writes prefill's engine fails (``harness.faults``: a link that drops
 writes), a share ``bad_rate`` carry a decode KV index outside decode's pool, and a
 share ``duplicate_rate`` of the valid ones name the bootstrap room of an earlier valid
-request of their wave (F16: refused on both sides, writing nothing); and a share
+request of their wave (F16: refused on both sides, writing nothing); a share
 ``orphan_rate`` (Mooncake) are never admitted by prefill: decode sends its metadata for
-a room no request on prefill opens, and must be told Failed (F17's lease).
+a room no request on prefill opens, and must be told Failed (F17's lease); and a share
+``mismatched_rate`` (Mooncake) come from a second decode process, started beside the first,
+whose KV head dim is twice prefill's (a misconfigured peer in the pool, F18): refused on both
+sides, writing nothing there, while the first decode is served as before.
 The last wave is clean: after the faults, the same workers must serve it.
 
 What every request ended as is judged here from the workers' records, never by
@@ -55,6 +58,7 @@ from typing import Any, Dict, List, Optional
 
 from sglang_disagg_ext.selftest.harness.run import RESTARTED_DECODE, ScenarioResult, run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import (
+    MISMATCHED_PEER,
     NOT_ADMITTED,
     RAISED_INTO_CALLER,
     REQUEST_FAULTS,
@@ -88,6 +92,10 @@ class SoakConfig:
     # waiting timeout is twice ``sglang_timeout_s``, so that prefill's lease (its bootstrap
     # timeout) ends the room before decode's own clock would.
     orphan_rate: float = 0.0
+    # Requests served by a second decode process whose KV head dim is twice the first's
+    # (another model configuration joining the pool: F18's mismatched peer), from their own
+    # random stream too; prefill serves both decodes at once. Mooncake, one rank a side.
+    mismatched_rate: float = 0.0
     max_pages: int = 6  # KV pages per request: 1 .. max_pages
     seed: int = 0
     request_s: float = 30.0  # bound on each wave, each side
@@ -180,6 +188,8 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
             allow_out_of_pool=fault == "bad_index", fault=fault,
         ))
     orphans = _add_orphan_rooms(cfg, requests, clean_waves, engine)
+    # Before the duplicates: a duplicate's holder is a valid request of the first decode.
+    mismatched = _add_mismatched_peer(cfg, requests, clean_waves, engine)
     duplicates = _add_duplicate_rooms(cfg, requests, clean_waves)
     heads = {"head_num": KV_HEADS_MULTI_RANK} if cfg.multi_rank else {}
     return Scenario(
@@ -196,6 +206,7 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
         restart_decode_in_wave=cfg.restart_wave(),
         room_base=ROOM_BASE,
         shared_rooms=duplicates > 0,
+        mismatched_decode_kv_head_dim=2 * KVPoolSpec().head_dim if mismatched else 0,
         timeouts=Timeouts(request_s=cfg.request_s,
                           sglang_waiting_s=cfg.sglang_timeout_s * (2 if orphans else 1),
                           sglang_bootstrap_s=cfg.sglang_timeout_s),
@@ -219,6 +230,25 @@ def _add_orphan_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves,
         if index // cfg.wave in clean_waves or rng.random() >= cfg.orphan_rate or req.fault is not None:
             continue
         req.prefill_admits, req.fault = False, "never_admitted"
+        made += 1
+    return made
+
+
+def _add_mismatched_peer(cfg: SoakConfig, requests: List[RequestSpec], clean_waves, engine: str) -> int:
+    """Make a share ``mismatched_rate`` of the valid requests outside the clean waves ones the
+    second decode serves, whose KV pages are twice as large as prefill's (F18): each must end
+    Failed on both sides with a reason and write nothing there, while prefill serves the first
+    decode as before. Returns how many were made."""
+    if cfg.mismatched_rate <= 0:
+        return 0
+    if cfg.multi_rank or engine != "mooncake":
+        raise ValueError("a mismatched peer runs on Mooncake, one rank a side only")
+    rng = random.Random(f"{cfg.seed}:mismatched peer")
+    made = 0
+    for index, req in enumerate(requests):
+        if index // cfg.wave in clean_waves or rng.random() >= cfg.mismatched_rate or req.fault is not None:
+            continue
+        req.fault = MISMATCHED_PEER
         made += 1
     return made
 
@@ -427,10 +457,11 @@ def format_summaries(summaries: List[Dict[str, Any]]) -> str:
             ("requests (wave)", lambda s: f"{s['requests']} ({s['wave']})"),
             ("prefill TP -> decode TP", lambda s: f"{s['prefill_tp']} -> {s['decode_tp']}"),
             ("state", lambda s: ", ".join(s["state"]) or "none (KV, aux)"),
-            ("faults: engine / bad / dup room / orphan", lambda s: (
+            ("faults: engine / bad / dup room / orphan / mismatched peer", lambda s: (
                 f"{s['engine_calls_failed']} posts (1 in {s['fail_every_nth_post']})" if s["fail_every_nth_post"]
                 else str(s["faults_injected"]["engine"])) + f" / {s['faults_injected']['bad_index']}"
-                + f" / {s['faults_injected']['duplicate_room']} / {s['faults_injected']['never_admitted']}"),
+                + f" / {s['faults_injected']['duplicate_room']} / {s['faults_injected']['never_admitted']}"
+                + f" / {s['faults_injected']['mismatched_peer']}"),
             ("decode killed, restarted", lambda s: "no" if s["decode_killed_in_wave"] is None else
              f"wave {s['decode_killed_in_wave']}, " + ("restarted" if s["decode_restarted"] else "NOT restarted"))]
     rows += [(o.replace("_", " "), (lambda o: lambda s: str(s["outcomes"][o]))(o)) for o in OUTCOMES]

@@ -14,7 +14,9 @@ wrapped on the instance, the narrowest boundary; the engine itself is real), one
 a decode KV index outside the pool (handed to SGLang's real ``send_metadata``), one in 32
 of the rest the bootstrap room of an earlier valid request of its wave (F16's duplicate), and
 where F17 is covered (0.5.22+) one in 64 never admitted by prefill (no sender; decode must be
-told Failed by F17's lease, not end the room on its own waiting timeout). Stock
+told Failed by F17's lease, not end the room on its own waiting timeout), and one in 32 sent by a
+second decode process whose KV head dim is twice prefill's (F18's mismatched peer: refused on both
+sides, nothing written there). Stock
 blacklists the decode session after the first failure and fails the valid requests after
 it; ``-ext`` fails exactly the faulted ones. Elsewhere F6 is not covered (``-ext`` is
 stock for it), so the soak runs without faults there: load only, every request Success
@@ -38,7 +40,8 @@ F17_LIVE = POLICY.is_live("F17")
 def _cfg(faults: bool) -> soak.SoakConfig:
     return soak.SoakConfig(requests=256, wave=32, fault_rate=1 / 16 if faults else 0.0,
                            bad_rate=1 / 32 if faults else 0.0, duplicate_rate=1 / 32 if faults else 0.0,
-                           orphan_rate=1 / 64 if faults and F17_LIVE else 0.0, seed=11)
+                           orphan_rate=1 / 64 if faults and F17_LIVE else 0.0,
+                           mismatched_rate=1 / 32 if faults else 0.0, seed=11)
 
 
 @pytest.mark.skipif(not F6_LIVE, reason=f"F6 is not live on SGLang {POLICY.version}: no faulted soak")
@@ -49,7 +52,7 @@ def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
     assert ext["passed"], soak.format_summaries([ext])
     assert ext["outcomes"]["failed_as_faulted"] == sum(ext["faults_injected"].values()) > 0
     assert ext["engine_calls_failed"] >= ext["faults_injected"]["engine"] > 0
-    assert ext["faults_injected"]["duplicate_room"] > 0
+    assert ext["faults_injected"]["duplicate_room"] > 0 and ext["faults_injected"]["mismatched_peer"] > 0
     assert (ext["faults_injected"]["never_admitted"] > 0) == F17_LIVE
     assert ext["decode_restarted"] and ext["outcomes"]["lost_with_decode"] == cfg.wave
     assert ext["outcomes"]["ok"] == (cfg.requests - ext["outcomes"]["failed_as_faulted"]
@@ -66,6 +69,9 @@ def test_faulted_soak_stock_loses_valid_requests_ext_only_the_faulted():
     else:
         assert not stock["clean_wave_ok"]
     assert "is not alive" in stock["violation_examples"]["collateral_failure"]
+    # The mismatched peer (F18): stock writes its pages at prefill's page size, reports Success, and
+    # bytes land on pages no request of that decode targeted.
+    assert stock["outcomes"]["fault_unreported"] > 0 and stock["stray_writes"], soak.format_summaries([stock, ext])
 
 
 @pytest.mark.timeout(240)

@@ -70,6 +70,35 @@ def test_orphan_rooms_are_valid_requests_prefill_never_admits_and_decode_must_be
         "failed_as_faulted", "decode_not_told", "hung"]
 
 
+def test_mismatched_peer_requests_go_to_a_second_decode_and_must_write_nothing_there():
+    base = soak.SoakConfig(requests=8, wave=4, fault_rate=0.0, bad_rate=0.0, seed=1, restart_decode=False)
+    scn = soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "mismatched_rate": 1.0}))
+    scn.validate()
+    # Rate 1: every request of wave 0 (wave 1 is the clean last wave); the second decode's KV pages
+    # hold twice prefill's head dim (16 -> 32).
+    assert [r.fault for r in scn.requests] == ["mismatched_peer"] * 4 + [None] * 4
+    assert scn.kv.head_dim == 16 and scn.mismatched_decode_kv_head_dim == 32
+    second = scn.mismatched_peer_scenario()
+    assert second.decode_kv_head_dim == 32 and second.requests == scn.requests
+    with pytest.raises(ValueError, match="mismatched peer runs on Mooncake"):
+        soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "mismatched_rate": 1.0}), engine="nixl")
+    # A refused request of the mismatched decode must leave its pages untouched; a served one is checked.
+    statuses = {0: "Failed", 1: "Success", 2: "Failed", 3: "Failed"}
+    per_room, untargeted = patterns.wave_expectations(scn, statuses)
+    kv = untargeted[KV_POOL_ID].sentinel_pages
+    assert set(scn.requests[0].dst_kv_pages) <= set(kv) and set(scn.requests[2].dst_kv_pages) <= set(kv)
+    assert not set(scn.requests[1].dst_kv_pages) & set(kv) and list(per_room) == [1]
+    # Served with Success on both sides is the bug's signature (stock writes at prefill's page size).
+    req = scn.requests[0]
+    served = RequestResult(index=0, room=1000, prefill_status="Success", decode_status="Success", bytes_verified=True)
+    refused = RequestResult(index=0, room=1000, prefill_status="Failed", decode_status="Failed",
+                            prefill_failure_reason="decode ... KV layout differs", decode_failure_reason="... differs")
+    assert [soak.outcome(req, r) for r in (served, refused)] == ["fault_unreported", "failed_as_faulted"]
+    scn.mismatched_decode_kv_head_dim = 16  # prefill's own: not a mismatched peer
+    with pytest.raises(ScenarioError, match="unlike prefill's 16"):
+        scn.validate()
+
+
 def test_generated_soak_keeps_its_promises():
     cfg = soak.SoakConfig(requests=200, wave=16, fault_rate=0.2, bad_rate=0.1, max_pages=5, seed=3)
     scn = soak.make_scenario(cfg)
@@ -224,7 +253,8 @@ def test_judge_counts_and_verdict():
         _rr(index=2, prefill_seconds=0.1), _rr(index=3, decode_seconds=0.3)])
     s = soak.judge(scn, good)
     assert s["passed"] and s["outcomes"]["ok"] == 3 and s["outcomes"]["failed_as_faulted"] == 1
-    assert s["faults_injected"] == {"engine": 1, "bad_index": 0, "duplicate_room": 0, "never_admitted": 0}
+    assert s["faults_injected"] == {"engine": 1, "bad_index": 0, "duplicate_room": 0, "never_admitted": 0,
+                                    "mismatched_peer": 0}
     # Request times: 0.5 (max of its sides), 0.1, 0.3 -> p50 0.3, max 0.5.
     assert s["p50_s"] == 0.3 and s["max_s"] == 0.5
     # The clean last wave (requests 2, 3) with one collateral failure: no pass.

@@ -213,7 +213,8 @@ def wave_expectations(
     of the wave targets, which must still hold the sentinel. Pages of a request that
     did not succeed are in neither: what landed there before it failed is not checked;
     with ``scn.shared_rooms`` those of a request whose room an earlier request of the scenario
-    names are untargeted (a refused duplicate must write nothing).
+    names are untargeted (a refused duplicate must write nothing), and so are those of a
+    request for the mismatched decode that did not succeed (a refused peer's).
     """
     names = pool_names(scn)
     per_room: Dict[int, Dict[int, PoolExpectation]] = {}
@@ -224,8 +225,9 @@ def wave_expectations(
             first_of_room.setdefault(scn.room_of(i), i)
     for index, status in statuses.items():
         pairs = request_pairs(scn, index)
-        duplicate = scn.shared_rooms and first_of_room[scn.room_of(index)] != index
-        if status == "Success" or not duplicate:
+        refused = ((scn.shared_rooms and first_of_room[scn.room_of(index)] != index)
+                   or scn.requests[index].fault == "mismatched_peer")
+        if status == "Success" or not refused:
             for pid, pages in _targeted(scn, index).items():
                 targeted[pid] |= pages
         if status != "Success":

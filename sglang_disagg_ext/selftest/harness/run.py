@@ -302,6 +302,7 @@ def default_timeout(scn: Scenario) -> float:
     n_children = scn.prefill_tp + scn.decode_tp
     # A wave's requests run side by side: each wave is bounded like one request.
     restart = t.startup_s if scn.restart_decode_in_wave is not None else 0.0
+    restart += 15.0 if scn.has_mismatched_peer else 0.0  # one more process starting
     delays = sum(r.decode_metadata_delay_s for r in scn.requests)
     return (t.startup_s + len(scn.waves()) * (t.request_s + 2.0) + 20.0 + 15.0 * (n_children - 2) + restart
             + delays)
@@ -317,10 +318,15 @@ def rank_names(scn: Scenario) -> List[str]:
 # The decode process the harness starts after the first one killed itself
 # (``Scenario.restart_decode_in_wave``).
 RESTARTED_DECODE = "decode-restarted"
+# The second decode process beside the first, serving the mismatched-peer requests
+# (``Scenario.mismatched_decode_kv_head_dim``).
+MISMATCHED_DECODE = "decode-mismatched"
+# Decode processes whose records join the first decode's (one record per request).
+EXTRA_DECODES = (RESTARTED_DECODE, MISMATCHED_DECODE)
 
 
 def _role_rank(name: str):
-    base = name.split("-", 1)[0]  # "decode-restarted" is a decode, rank 0
+    base = name.split("-", 1)[0]  # "decode-restarted", "decode-mismatched": a decode, rank 0
     role = base.rstrip("0123456789")
     return role, int(base[len(role):] or 0)
 
@@ -401,6 +407,8 @@ def run_scenario(
         env = child_env(scenario, extra_env, options)
         exe = python or sys.executable
         done = {name: os.path.join(run_dir, f"{name}.done") for name in names}
+        if scenario.has_mismatched_peer:
+            done[MISMATCHED_DECODE] = os.path.join(run_dir, f"{MISMATCHED_DECODE}.done")
         first_decode = next(n for n in names if n.startswith("decode"))
         prefills = [n for n in names if n.startswith("prefill")]
         for name in names:
@@ -428,6 +436,8 @@ def run_scenario(
                 # prefill's bootstrap thread before the hook, and the fault never fired
                 # (the stock F8 bootstrap row once passed in CI on 0.5.12.post1).
                 args += ["--ready-files", os.pathsep.join(os.path.join(run_dir, f"{p}.json") for p in prefills)]
+            if role == "decode" and scenario.has_mismatched_peer:
+                mismatched_args = _mismatched_decode_args(args, scenario, run_dir, done[MISMATCHED_DECODE])
             if role == "decode" and scenario.restart_decode_in_wave is not None:
                 restart_args = args + ["--first-wave", str(scenario.restart_decode_in_wave + 1)]
                 restart_args[restart_args.index("--result") + 1] = os.path.join(run_dir, f"{RESTARTED_DECODE}.json")
@@ -435,6 +445,10 @@ def run_scenario(
             role_exe = decode_python if role == "decode" and decode_python else exe
             children[name] = spawn(name, role_exe, WORKER_MODULE, args, env, os.path.join(run_dir, f"{name}.log"), run_dir)
 
+        if scenario.has_mismatched_peer:
+            children[MISMATCHED_DECODE] = spawn(
+                MISMATCHED_DECODE, decode_python or exe, WORKER_MODULE, mismatched_args, env,
+                os.path.join(run_dir, f"{MISMATCHED_DECODE}.log"), run_dir)
         if scenario.restart_decode_in_wave is not None:
             _restart_decode_when_gone(children, deadline, lambda: spawn(
                 RESTARTED_DECODE, decode_python or exe, WORKER_MODULE, restart_args, env,
@@ -462,6 +476,20 @@ def run_scenario(
 
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
+
+
+def _mismatched_decode_args(decode_args: List[str], scenario: Scenario, run_dir: str, done_file: str) -> List[str]:
+    """The second decode's worker arguments: the first decode's, with its own scenario (its KV
+    head dim), result, done file and process group, serving the mismatched-peer requests only."""
+    args = list(decode_args)
+    path = os.path.join(run_dir, f"{MISMATCHED_DECODE}.scenario.json")
+    with open(path, "w") as f:
+        f.write(scenario.mismatched_peer_scenario().to_json())
+    for flag, value in (("--scenario", path), ("--result", os.path.join(run_dir, f"{MISMATCHED_DECODE}.json")),
+                        ("--done-file", done_file),
+                        ("--dist-init", "file://" + os.path.join(run_dir, f"{MISMATCHED_DECODE}.dist"))):
+        args[args.index(flag) + 1] = value
+    return args + ["--mismatched-peer"]
 
 
 def _restart_decode_when_gone(children: Dict[str, Any], deadline: float, start) -> None:
@@ -557,19 +585,22 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
     names = rank_names(scn)
     multi = scn.multi_rank
     side = {name: _read_json(os.path.join(run_dir, f"{name}.json")) or {} for name in names}
-    restarted = _read_json(os.path.join(run_dir, f"{RESTARTED_DECODE}.json")) if RESTARTED_DECODE in children else None
-    if RESTARTED_DECODE in children:
-        result.exit_codes[RESTARTED_DECODE] = children[RESTARTED_DECODE].returncode
-        result.pids[RESTARTED_DECODE] = children[RESTARTED_DECODE].pid
-        if not restarted or restarted.get("error"):
-            why = _last_line(restarted["error"]) if restarted else "no result"
-            result.error = "; ".join(([result.error] if result.error else []) + [f"{RESTARTED_DECODE}: {why}"])
-    if restarted:
-        # One decode record per request: the first process's waves, then its successor's.
-        side["decode"] = dict(side["decode"])
-        side["decode"]["requests"] = side["decode"].get("requests", []) + restarted.get("requests", [])
-        result.waves[RESTARTED_DECODE] = restarted.get("waves", [])
-        result.threads_died[RESTARTED_DECODE] = restarted.get("threads_died", [])
+    for extra in EXTRA_DECODES:
+        if extra not in children:
+            continue
+        record = _read_json(os.path.join(run_dir, f"{extra}.json"))
+        result.exit_codes[extra] = children[extra].returncode
+        result.pids[extra] = children[extra].pid
+        if not record or record.get("error"):
+            why = _last_line(record["error"]) if record else "no result"
+            result.error = "; ".join(([result.error] if result.error else []) + [f"{extra}: {why}"])
+        if record:
+            # One decode record per request: the first process's, then its successor's or the
+            # second decode's (each serves requests the first does not).
+            side["decode"] = dict(side["decode"])
+            side["decode"]["requests"] = side["decode"].get("requests", []) + record.get("requests", [])
+            result.waves[extra] = record.get("waves", [])
+            result.threads_died[extra] = record.get("threads_died", [])
     for name, c in children.items():
         result.exit_codes[name] = c.returncode
         result.launch[name] = "forked" if isinstance(c, ForkedChild) else "fresh"
@@ -580,8 +611,9 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
             role = _role_rank(name)[0]
             tails[role].append(f"--- {name} ---\n{children[name].tail(TAIL_PER_RANK)}" if multi else children[name].tail())
     result.prefill_log_tail = "\n".join(tails["prefill"])
-    if RESTARTED_DECODE in children:
-        tails["decode"].append(f"--- {RESTARTED_DECODE} ---\n{children[RESTARTED_DECODE].tail(TAIL_PER_RANK)}")
+    for extra in EXTRA_DECODES:
+        if extra in children:
+            tails["decode"].append(f"--- {extra} ---\n{children[extra].tail(TAIL_PER_RANK)}")
     result.decode_log_tail = "\n".join(tails["decode"])
     prefills = [n for n in names if n.startswith("prefill")]
     decodes = [n for n in names if n.startswith("decode")]

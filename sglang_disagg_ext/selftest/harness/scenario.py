@@ -34,7 +34,9 @@ KV_CHECKSUM_SIDES = ("none", "prefill", "decode", "both")
 # engine fails (``harness.faults``); "bad_index": a decode KV index outside the pool;
 # "duplicate_room": it names the room of an earlier live request (F16); "never_admitted":
 # prefill makes no sender for it (``RequestSpec.prefill_admits``, F17).
-REQUEST_FAULTS = ("engine", "bad_index", "duplicate_room", "never_admitted")
+REQUEST_FAULTS = ("engine", "bad_index", "duplicate_room", "never_admitted", "mismatched_peer")
+# The fault of a request served by the second decode process (Scenario.mismatched_decode_kv_head_dim).
+MISMATCHED_PEER = "mismatched_peer"
 NOT_ADMITTED = "NotAdmitted"  # the prefill status of a request prefill made no sender for (prefill_admits)
 
 # A wave run's request record error starting with this: the SGLang call the worker
@@ -254,6 +256,12 @@ class Scenario:
     # wave so that both are live at once. Then the pages of a request that did not succeed must
     # still hold the sentinel (``patterns.wave_expectations``): a refused request writes nothing.
     shared_rooms: bool = False
+    # Wave runs: the requests whose fault is MISMATCHED_PEER are served by a second decode
+    # process beside the first (its own engine and Mooncake session, registering with the same
+    # prefill: another model configuration joining the pool, F18) whose KV head dim is this;
+    # prefill serves both at once. 0: no second decode. One rank a side; a refused request
+    # must write nothing there (``patterns.wave_expectations``).
+    mismatched_decode_kv_head_dim: int = 0
 
     @property
     def fails_posts(self) -> bool:
@@ -263,6 +271,14 @@ class Scenario:
     @property
     def multi_rank(self) -> bool:
         return self.prefill_tp > 1 or self.decode_tp > 1
+
+    @property
+    def has_mismatched_peer(self) -> bool:
+        return any(r.fault == MISMATCHED_PEER for r in self.requests)
+
+    def mismatched_peer_scenario(self) -> "Scenario":
+        """The scenario the second decode process runs: this one, with its KV head dim."""
+        return dataclasses.replace(self, decode_kv_head_dim=self.mismatched_decode_kv_head_dim)
 
     # -- derived -------------------------------------------------------------
     def room_of(self, index: int) -> int:
@@ -313,6 +329,11 @@ class Scenario:
         if self.decode_pending_queue and (self.multi_rank or self.wave != 1):
             raise ScenarioError(f"{self.name}: decode_pending_queue runs one rank a side, one request at a time")
         _check_ranks(self)
+        m = self.mismatched_decode_kv_head_dim
+        if self.has_mismatched_peer and (isinstance(m, bool) or not isinstance(m, int) or m < 1
+                                         or m == self.kv.head_dim or self.multi_rank or self.wave < 2):
+            raise ScenarioError(f"{self.name}: mismatched_peer requests need mismatched_decode_kv_head_dim >= 1 and "
+                                f"unlike prefill's {self.kv.head_dim}, waves, one rank a side; got {m!r}")
         if isinstance(self.wave, bool) or not isinstance(self.wave, int) or self.wave < 1:
             raise ScenarioError(f"{self.name}: wave must be an int >= 1, got {self.wave!r}")
         n = self.fail_every_nth_post

@@ -744,6 +744,19 @@ class Worker:
                 # waits instead of burning its own waiting timeout on that artefact.
                 _wait_ready(self.args.ready_files.split(os.pathsep),
                             time.monotonic() + 2 * self.scn.timeouts.request_s, wave=w - 1)
+            if self.role == "decode":
+                # Each decode process serves its own requests: the second (mismatched) decode
+                # those of the mismatched peer, the first every other one.
+                from sglang_disagg_ext.selftest.harness.scenario import MISMATCHED_PEER
+
+                indices = [i for i in indices
+                           if (self.scn.requests[i].fault == MISMATCHED_PEER) == self.args.mismatched_peer]
+                if not indices:
+                    continue
+                if self.args.mismatched_peer and w > 0 and self.args.ready_files:
+                    # Prefill makes this wave's senders once it finished the wave before.
+                    _wait_ready(self.args.ready_files.split(os.pathsep),
+                                time.monotonic() + 2 * self.scn.timeouts.request_s, wave=w - 1)
             if self.role == "prefill" and w > 0 and w - 1 != self.scn.restart_decode_in_wave:
                 self._wait_decode_wave(w - 1)
             t0 = _now()
@@ -1255,6 +1268,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="pool device: cpu, cuda or cuda:N")
     p.add_argument("--ib-device", default=None, help="RDMA device(s) for --protocol rdma")
     p.add_argument("--first-wave", type=int, default=0, help="wave runs: start at this wave (a restarted decode)")
+    p.add_argument("--mismatched-peer", action="store_true",
+                   help="wave runs: the second decode, serving the mismatched-peer requests only")
     p.add_argument("--crash-in-wave", type=int, default=None,
                    help="wave runs, decode: SIGKILL this process in that wave, after half its metadata went out")
     return p.parse_args(argv)
