@@ -13,6 +13,8 @@ page_size=8`` into its caller, decode's scheduler loop, which has no handler: a 
 with every request it serves (shown with real servers on 0.5.23, ``test/servers/test_pd_faults.py``).
 The harness records the raise for each request. ``-ext``: both requests end Failed on decode at once
 with that message as the reason, one ERROR for the prefill, no page of decode written, no raise.
+On sources carrying ``patches/0.5.23``'s F14 diff (``make test-patched``) stock must do what ``-ext``
+does on the unpatched wheel, and ``-ext`` (which then installs nothing for F14) too.
 """
 
 import pytest
@@ -24,6 +26,8 @@ from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec,
 pytestmark = pytest.mark.engine
 
 POLICY = releases.current_policy()
+# Sources carrying patches/<release>/'s F14 diff: SGLang's own lookup refuses the prefill.
+PATCHED = "F14" in POLICY.patched
 MISMATCH = "Page size mismatch: prefill server has page_size=4, but decode server has page_size=8"
 EXT_BOUND_S = 5.0  # the refusal is made at the first try (one HTTP query); the rest is load
 
@@ -47,19 +51,8 @@ def _nothing_written(req):
     return all("found the sentinel (never written)" in m for m in req.mismatches)
 
 
-@pytest.mark.timeout(180)
-def test_stock_raises_the_mismatch_into_decodes_scheduler():
-    result = run_scenario(_scenario(), "mooncake", timeout_s=150)
-    assert result.error is None, result.error
-    for r in result.requests:
-        assert r.error is not None and f"RuntimeError: {MISMATCH}" in r.error, (r.decode_status, r.error)
-        assert "try_ensure_parallel_info" in r.error, r.error
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(not POLICY.is_live("F14"), reason=f"F14 is {POLICY.fixes['F14'].value} on SGLang {POLICY.version}")
-def test_ext_refuses_the_prefill_and_decode_serves_on():
-    result = run_scenario(_scenario(), "mooncake-ext", timeout_s=150)
+def _assert_refused(result):
+    """Both requests Failed on decode at once with the mismatch as the reason, one ERROR, nothing written."""
     assert result.error is None, result.error
     reqs = result.requests
     assert [r.error for r in reqs] == [None, None], [r.error for r in reqs]
@@ -72,3 +65,22 @@ def test_ext_refuses_the_prefill_and_decode_serves_on():
         assert not r.thread_errors, r.thread_errors
     errors = [line for r in reqs for line in r.decode_log if line.startswith("ERROR")]
     assert len(errors) == 1 and MISMATCH in errors[0], errors
+
+
+@pytest.mark.timeout(180)
+def test_stock_raises_the_mismatch_into_decodes_scheduler():
+    result = run_scenario(_scenario(), "mooncake", timeout_s=150)
+    if PATCHED:
+        _assert_refused(result)
+        return
+    assert result.error is None, result.error
+    for r in result.requests:
+        assert r.error is not None and f"RuntimeError: {MISMATCH}" in r.error, (r.decode_status, r.error)
+        assert "try_ensure_parallel_info" in r.error, r.error
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not (POLICY.is_live("F14") or PATCHED),
+                    reason=f"F14 is {POLICY.fixes['F14'].value} on SGLang {POLICY.version}")
+def test_ext_refuses_the_prefill_and_decode_serves_on():
+    _assert_refused(run_scenario(_scenario(), "mooncake-ext", timeout_s=150))
