@@ -25,10 +25,11 @@ PATCH_RELEASES ?= $(sort $(notdir $(patsubst %/,%,$(dir $(wildcard patches/*/*.p
 PATCHED := .patched-$(SGLANG)
 PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nixl_ext.py \
 	test/integration/test_retract_f5.py test/integration/test_mori_ext.py
-# Fixes only one release's patches carry (patches/0.5.23: F6, F7, F8, F9, F10, F14): their tests run on its patched leg.
+# Fixes only one release's patches carry (patches/0.5.23: F6, F7, F8, F9, F10, F14, F15): their tests run on its patched leg.
 PATCHED_TESTS_0.5.23 := test/integration/test_mooncake_state_pairing.py test/integration/test_mooncake_threads.py \
 	test/integration/test_mooncake_registration.py test/integration/test_metadata_gate.py \
-	test/integration/test_mooncake_isolation.py test/integration/test_decode_pairing_check.py
+	test/integration/test_mooncake_isolation.py test/integration/test_decode_pairing_check.py \
+	test/integration/test_nixl_bootstrap_screen.py
 PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
 # Every release with a pin file in requirements/ (the policy table's releases), oldest first.
