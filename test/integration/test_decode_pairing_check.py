@@ -21,7 +21,7 @@ import pytest
 
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, Timeouts
+from support.pending_queue import nothing_written, pending_queue_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -33,22 +33,7 @@ EXT_BOUND_S = 5.0  # the refusal is made at the first try (one HTTP query); the 
 
 
 def _scenario():
-    return Scenario(
-        name="decode with another page size",
-        requests=[RequestSpec([1, 2], [3, 4], aux_index=1, dst_aux_index=2),
-                  RequestSpec([5], [6], aux_index=3, dst_aux_index=4)],
-        kv=KVPoolSpec(num_pages=8),
-        page_size=4,
-        decode_page_size=8,
-        timeouts=Timeouts(request_s=30, startup_s=30.0, sglang_bootstrap_s=8.0),
-        decode_pending_queue=True,
-    )
-
-
-def _nothing_written(req):
-    # The harness lists each target page still holding decode's sentinel; a page written
-    # anywhere else would be listed as "must be untouched".
-    return all("found the sentinel (never written)" in m for m in req.mismatches)
+    return pending_queue_scenario("decode with another page size", request_s=30, page_size=4, decode_page_size=8)
 
 
 def _assert_refused(result):
@@ -61,7 +46,7 @@ def _assert_refused(result):
         assert r.decode_seconds < EXT_BOUND_S, (r.decode_seconds, r.decode_failure_reason)
         assert "cannot pair with this decode, its requests are refused" in r.decode_failure_reason
         assert MISMATCH in r.decode_failure_reason, r.decode_failure_reason
-        assert _nothing_written(r), r.mismatches
+        assert nothing_written(r), r.mismatches
         assert not r.thread_errors, r.thread_errors
     errors = [line for r in reqs for line in r.decode_log if line.startswith("ERROR")]
     assert len(errors) == 1 and MISMATCH in errors[0], errors

@@ -28,7 +28,7 @@ from packaging.version import Version
 from sglang_disagg_ext import releases
 from sglang_disagg_ext.selftest.harness import nixl_shim
 from sglang_disagg_ext.selftest.harness.run import run_scenario
-from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, Timeouts
+from support.pending_queue import nothing_written, pending_queue_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,6 @@ ADDED = {"0.5.16": ("enable_dsa_cache_layer_split", "prefill_http_port"), "0.5.2
          "0.5.23": ("enable_kv_cache_sharding",)}
 STOCK_TRIES, STOCK_RETRY_S = 15, 1.0  # DecodePreallocQueue's, in every wheel
 EXT_BOUND_S = 5.0  # the refusal is made at the first try (one HTTP query); the rest is load
-BOOTSTRAP_S = 8.0
 
 
 def _decode_facts():
@@ -54,20 +53,7 @@ def _decode_facts():
 
 
 def _scenario():
-    return Scenario(
-        name="prefill newer than decode",
-        requests=[RequestSpec([1, 2], [3, 4], aux_index=1, dst_aux_index=2),
-                  RequestSpec([5], [6], aux_index=3, dst_aux_index=4)],
-        kv=KVPoolSpec(num_pages=8),
-        timeouts=Timeouts(request_s=40, startup_s=30.0, sglang_bootstrap_s=BOOTSTRAP_S),
-        decode_pending_queue=True,
-    )
-
-
-def _nothing_written(req):
-    # The harness lists each target page still holding decode's sentinel; a page written
-    # anywhere else would be listed as "must be untouched".
-    return req.mismatches and all("found the sentinel (never written)" in m for m in req.mismatches)
+    return pending_queue_scenario("prefill newer than decode", request_s=40)
 
 
 @pytest.mark.timeout(240)
@@ -87,7 +73,7 @@ def test_a_prefill_newer_than_its_decode(backend):
     assert result.error is None, result.error
     reqs = result.requests
     assert [r.decode_status for r in reqs] == ["Failed", "Failed"], [(r.decode_status, r.decode_failure_reason) for r in reqs]
-    assert all(_nothing_written(r) for r in reqs), [r.mismatches for r in reqs]
+    assert all(nothing_written(r) for r in reqs), [r.mismatches for r in reqs]
     assert not any(r.thread_errors for r in reqs), [r.thread_errors for r in reqs]
     # Prefill never hears of the requests: it ends them by its own bootstrap timeout, unless the
     # harness stopped watching first because decode had ended the room (-ext ends it at once).
