@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-python", default=None,
                    help="Python interpreter of the environment prefill runs from (default: this one); "
                         "with --decode-python, two SGLang releases side by side, as in a rolling upgrade. "
-                        "The plugin must be installed there for an -ext backend")
+                        "The plugin must be installed there too: its release is read through it")
     p.add_argument("--decode-python", default=None,
                    help="Python interpreter of the environment decode runs from (default: this one)")
     p.add_argument("--run-dir", type=Path, default=None, help="folder for run.json and logs (default runs/pd-...)")
