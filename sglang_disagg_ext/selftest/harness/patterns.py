@@ -35,7 +35,7 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .scenario import AUX_POOL_ID, KV_POOL_ID, PAGED_STATE_KINDS, STATE_POOL_BASE, Scenario
+from .scenario import AUX_POOL_ID, KV_POOL_ID, MISMATCHED_PEER, PAGED_STATE_KINDS, STATE_POOL_BASE, Scenario
 
 SENTINEL = 0xA5
 _M64 = (1 << 64) - 1
@@ -226,7 +226,7 @@ def wave_expectations(
     for index, status in statuses.items():
         pairs = request_pairs(scn, index)
         refused = ((scn.shared_rooms and first_of_room[scn.room_of(index)] != index)
-                   or scn.requests[index].fault == "mismatched_peer")
+                   or scn.requests[index].fault == MISMATCHED_PEER)
         if status == "Success" or not refused:
             for pid, pages in _targeted(scn, index).items():
                 targeted[pid] |= pages

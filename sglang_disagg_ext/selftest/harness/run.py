@@ -497,7 +497,9 @@ def _restart_decode_when_gone(children: Dict[str, Any], deadline: float, start) 
     same arguments and done file (prefill waits for that), its own result file, from the
     next wave. Not when a prefill is gone first or the deadline passed."""
     while children["decode"].poll() is None:
-        if time.monotonic() > deadline or any(c.poll() is not None for n, c in children.items() if n != "decode"):
+        # Only a prefill gone matters: the second (mismatched) decode may end before this one.
+        if time.monotonic() > deadline or any(c.poll() is not None for n, c in children.items()
+                                              if n.startswith("prefill")):
             return
         time.sleep(0.02)
     children[RESTARTED_DECODE] = start()
