@@ -85,7 +85,8 @@ def test_load_soak_every_request_right():
     # ended Failed on prefill's 8 s bootstrap timeout before decode's metadata came.
     s = soak.run_soak("mooncake-ext", dataclasses.replace(_cfg(faults=False), sglang_timeout_s=20.0))
     assert s["passed"], soak.format_summaries([s])
-    assert s["faults_injected"] == {"engine": 0, "bad_index": 0, "duplicate_room": 0, "never_admitted": 0}
+    assert s["faults_injected"] == {"engine": 0, "bad_index": 0, "duplicate_room": 0, "never_admitted": 0,
+                                  "mismatched_peer": 0}
     # Wave 4 of 8: the decode worker is killed and a new one serves waves 5-7.
     assert s["decode_killed_in_wave"] == 4 and s["decode_restarted"]
     assert s["outcomes"]["lost_with_decode"] == 32 and s["outcomes"]["ok"] == 256 - 32
