@@ -25,11 +25,11 @@ PATCH_RELEASES ?= $(sort $(notdir $(patsubst %/,%,$(dir $(wildcard patches/*/*.p
 PATCHED := .patched-$(SGLANG)
 PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nixl_ext.py \
 	test/integration/test_retract_f5.py test/integration/test_mori_ext.py
-# Fixes only one release's patches carry (patches/0.5.23: F6, F7, F8, F9, F10, F14, F15): their tests run on its patched leg.
+# Fixes only one release's patches carry (patches/0.5.23: F6, F7, F8, F9, F10, F14, F15, F20): their tests run on its patched leg.
 PATCHED_TESTS_0.5.23 := test/integration/test_mooncake_state_pairing.py test/integration/test_mooncake_threads.py \
 	test/integration/test_mooncake_registration.py test/integration/test_metadata_gate.py \
 	test/integration/test_mooncake_isolation.py test/integration/test_decode_pairing_check.py \
-	test/integration/test_nixl_bootstrap_screen.py
+	test/integration/test_nixl_bootstrap_screen.py test/integration/test_prefill_lookup.py
 PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
 # Every release with a pin file in requirements/ (the policy table's releases), oldest first.
@@ -37,11 +37,14 @@ ALL_RELEASES := $(shell ls requirements/sglang-*.txt | sed 's|requirements/sglan
 
 # Releases whose CI leg also runs the real-server stage (make e2e): 0.5.11 and the newest (the
 # two the stage was built on). On 0.5.11 CI leaves out the decode-kill pair (85 s of
-# the stage on 0.5.23; `make e2e SGLANG=0.5.11` runs it by hand): E2E_CI_ARGS_<release> is what
-# a release's CI leg adds to the stage's pytest arguments.
+# the stage on 0.5.23) and the unanswering-prefill pair (F20, 55 s; the harness proves F20 on every
+# leg); `make e2e SGLANG=0.5.11` runs both by hand. E2E_CI_ARGS_<release> is what a release's CI
+# leg adds to the stage's pytest arguments.
 E2E_RELEASES ?= 0.5.11 0.5.23
 E2E_CI_ARGS_0.5.11 := --deselect "test/servers/test_pd_faults.py::test_decode_killed_and_restarted_mid_stream[mooncake]" \
-	--deselect "test/servers/test_pd_faults.py::test_decode_killed_and_restarted_mid_stream[mooncake-ext]"
+	--deselect "test/servers/test_pd_faults.py::test_decode_killed_and_restarted_mid_stream[mooncake-ext]" \
+	--deselect "test/servers/test_pd_faults.py::test_a_prefill_address_that_never_answers[mooncake]" \
+	--deselect "test/servers/test_pd_faults.py::test_a_prefill_address_that_never_answers[mooncake-ext]"
 # The mixed-release stage (make mixed): this release beside each release of MIXED_DECODES_<release>
 # in its own venv. test/mixed: F19 (a prefill newer than its decode) through the harness, and with
 # the first release of the list both upgrade orders through real servers (test/mixed/servers, one

@@ -96,6 +96,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
     # Its differential test needs two venvs: the mixed-release stage (make mixed) runs it, not a leg's test stage.
     FixEntry("F19", (_CORE + "prefill_answer.py",), (_BACK + "common/prefill_answer.py", _BACK + "common/compose.py"), (),
              (), ("test/unit/test_prefill_answer.py", "test/mixed/test_newer_prefill.py"), "docs/fixes.md"),
+    FixEntry("F20", (), (_BACK + "common/prefill_lookup.py", _BACK + "common/compose.py"), (),
+             (), (_IT + "test_prefill_lookup.py",), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

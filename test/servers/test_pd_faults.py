@@ -138,6 +138,66 @@ def test_decode_killed_and_restarted_mid_stream(mooncake_pairs, backend):
     assert pair.alive("prefill") and pair.alive("router")
 
 
+# A request through the router while decode waits on a prefill address that never answers: its
+# few tokens take well under a second on these servers; stock's scheduler thread waits 5 s a try.
+FEW_TOKENS = 4
+STOCK_LOOKUP_S = 5.0  # requests.get(url, timeout=5) in every wheel's lookup of a prefill's parallel info
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ("mooncake", "mooncake-ext"))
+def test_a_prefill_address_that_never_answers(mooncake_pairs, policy, backend):
+    """A request sent to decode names a bootstrap address that takes the connection and never
+    answers (a loopback socket that listens and never accepts, as behind a link that drops
+    packets), while the router serves another request. Stock (every release 0.5.10.post1-0.5.23,
+    F20): decode's scheduler thread waits out the 5 s HTTP timeout of each try of its lookup, so
+    the other request's few tokens take 5 s or more. ``-ext``: the lookup runs off the scheduler
+    thread and the other request is served as fast as ever, tokens equal to colocated. Then the
+    address is closed (each try is refused at once): the waiting request ends with an HTTP error
+    after stock's 15 tries on both, and every server stays up."""
+    import socket
+
+    if backend.endswith("-ext") and not policy.is_live("F20"):
+        pytest.skip(f"F20 is {policy.fixes['F20'].value} on SGLang {policy.version}")
+    deployment = mooncake_pairs
+    pair = deployment.pairs[backend]
+    prompt = cs.PROMPTS[1]
+    expected = deployment.reference(prompt)[:FEW_TOKENS]
+    status, body = cs.generate(pair.router_url, prompt, 120.0, max_new_tokens=FEW_TOKENS)  # warm
+    assert status == 200 and list(body["output_ids"]) == expected, (status, body)
+    hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(128)
+    stuck = []
+    body = {"text": cs.PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": FEW_TOKENS},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": hole.getsockname()[1], "bootstrap_room": 4242}
+    thread = threading.Thread(target=lambda: stuck.append(cs.post(pair.url("decode") + "/generate", body, 300.0)))
+    try:
+        t0 = time.monotonic()
+        thread.start()
+        time.sleep(1.5)  # decode has the request and its first try is under way
+        t_other = time.monotonic()
+        status, answer = cs.generate(pair.router_url, prompt, 120.0, max_new_tokens=FEW_TOKENS)
+        other_s = time.monotonic() - t_other
+    finally:
+        hole.close()  # from here each try is refused at once: the waiting request ends in 15 tries
+    thread.join(timeout=STOCK_LOOKUP_S * 15 + 60)
+    assert not thread.is_alive(), "the request to the unanswering address did not end"
+    stuck_status, stuck_body = stuck[0]
+    stuck_s = time.monotonic() - t0
+    print(f"{backend}: other request {other_s:.2f} s; unanswered request {stuck_status} after {stuck_s:.0f} s: "
+          f"{str(stuck_body)[:160]}")
+    assert status == 200 and list(answer["output_ids"]) == expected, (status, answer)
+    assert stuck_status != 200 or "abort" in str(stuck_body).lower(), (stuck_status, stuck_body)
+    assert "Error fetching prefill server info from bootstrap" in pair.log("decode")
+    assert all(pair.alive(name) for name in ("prefill", "decode", "router")), pair.log_tails()
+    if backend.endswith("-ext"):
+        assert other_s < STOCK_LOOKUP_S, f"a decode step waited {other_s:.1f} s"
+    else:
+        assert other_s >= STOCK_LOOKUP_S - 0.5, f"stock served the other request in {other_s:.1f} s"
+    _assert_serves(deployment, pair)
+
+
 @pytest.fixture(scope="module")
 def mismatched_prefill(mooncake_pairs, policy, tmp_path_factory):
     """One prefill server with twice the page size, for both pairs' routers (stock ``mooncake``:

@@ -236,14 +236,14 @@ def test_marker_that_is_not_a_tuple_is_refused(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_patched_live_fixes_become_upstream():
-    # 0.5.11: F1 upstream, F2 live, F3 n/a, F4-F10, F12, F14-F16, F18 and F19 live (releases.py table).
+    # 0.5.11: F1 upstream, F2 live, F3 n/a, F4-F10, F12, F14-F16, F18, F19 and F20 live (releases.py table).
     policy = releases.with_patched_fixes(releases.policy_for("0.5.11"), ("F1", "F2", "F3"))
     assert policy.fixes["F1"] is releases.FixStatus.UPSTREAM
     assert policy.fixes["F2"] is releases.FixStatus.UPSTREAM
     assert policy.fixes["F3"] is releases.FixStatus.NA
     assert policy.fixes["F4"] is releases.FixStatus.LIVE
     assert policy.patched == ("F2",)  # only fixes that were live change
-    assert policy.active_fixes() == ["F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F19"]
+    assert policy.active_fixes() == ["F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F19", "F20"]
     assert "(patched sources: F2)" in policy.summary_line()
 
 

@@ -4,6 +4,8 @@
 class gets the live engine-independent mixins in front of it (outermost first). An engine whose
 ``-ext`` name routes no manager of its own gets SGLang's manager with them.
 
+* F20 (``prefill_lookup``, outermost): decode's lookup of a prefill's parallel info runs off its
+  scheduler thread.
 * F14 (``prefill_pairing``): decode refuses a prefill it cannot pair with instead of raising on
   its scheduler thread.
 * F19 (``prefill_answer``, inside F14): decode refuses a prefill on a newer release by name instead
@@ -22,6 +24,12 @@ from sglang_disagg_ext.releases import ReleasePolicy
 
 def _mixins(policy: ReleasePolicy) -> tuple:
     mixins = []
+    if policy.is_live("F20"):
+        from sglang_disagg_ext import releases
+        from sglang_disagg_ext.backends.common.prefill_lookup import PrefillLookupOffThreadMixin
+
+        if releases.stock_prefill_info_lookup() is not None:
+            mixins.append(("F20", PrefillLookupOffThreadMixin))
     if policy.is_live("F14"):
         from sglang_disagg_ext.backends.common.prefill_pairing import PrefillPairingMixin
 

@@ -60,6 +60,9 @@ class RequestResult:
     # the rank barrier, had its sender/receiver, was bootstrapped (prefill) or
     # sent its metadata (decode); describe() shows them against the earliest.
     rank_phases: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
+    # decode_pending_queue: how long each of decode's parallel-info tries held its stand-in
+    # scheduler thread
+    lookup_seconds: List[float] = dataclasses.field(default_factory=list)
 
     @property
     def success(self) -> bool:
@@ -662,6 +665,7 @@ def _collect(result: ScenarioResult, scn: Scenario, run_dir: str, children: Dict
         rr.prefill_seconds = max(secs) if secs else None
         secs = [per[n].get("seconds") for n in decodes if per[n].get("seconds") is not None]
         rr.decode_seconds = max(secs) if secs else None
+        rr.lookup_seconds = [x for n in decodes for x in per[n].get("lookup_seconds", [])]
         rr.bytes_verified = all(bool(per[n].get("bytes_verified", False)) for n in decodes)
         for n in decodes:
             if not per[n]:

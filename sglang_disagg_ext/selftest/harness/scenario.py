@@ -136,6 +136,11 @@ class RequestSpec:
     # records the status NOT_ADMITTED (one at a time: it waits for decode to end the room, or
     # the bound; in a wave the wave goes on without it).
     prefill_admits: bool = True
+    # Decode's receiver and its pending-queue lookups name a bootstrap address that takes the
+    # connection and never answers (a prefill behind a link that drops packets, F20), opened by
+    # the decode worker. Needs prefill_admits=False (no prefill knows the request) and
+    # decode_pending_queue.
+    prefill_unanswered: bool = False
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.
     fault: Optional[str] = None
@@ -226,6 +231,8 @@ class Scenario:
     # instead of waiting for it once at startup. For a prefill decode may never pair with
     # (F19: a newer release); one rank a side only.
     decode_pending_queue: bool = False
+    # How many tries the stand-in pending queue makes before it aborts the receiver (stock: 15).
+    pending_queue_tries: int = 15
     # Decode's page size when it differs from ``page_size`` (0: the same): a decode started with
     # another ``--page-size`` (its server arguments and pools), which SGLang's pairing check
     # refuses before any transfer (F14). Only with decode_pending_queue (no byte may move).
@@ -326,6 +333,9 @@ class Scenario:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0 or (p and not self.decode_pending_queue):
             raise ScenarioError(f"{self.name}: decode_page_size must be 0 (as prefill) or an int >= 1, "
                                 f"with decode_pending_queue; got {p!r}")
+        t = self.pending_queue_tries
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ScenarioError(f"{self.name}: pending_queue_tries must be an int >= 1, got {t!r}")
         if self.decode_pending_queue and (self.multi_rank or self.wave != 1):
             raise ScenarioError(f"{self.name}: decode_pending_queue runs one rank a side, one request at a time")
         _check_ranks(self)
@@ -383,6 +393,9 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
             if not req.prefill_admits and self.multi_rank:
                 raise ScenarioError(f"{self.name}: request {r} prefill_admits=False is for one rank a side only")
+            if req.prefill_unanswered and (req.prefill_admits or not self.decode_pending_queue):
+                raise ScenarioError(f"{self.name}: request {r} prefill_unanswered needs prefill_admits=False "
+                                    f"and decode_pending_queue")
             if req.decode_metadata_delay_s < 0 or (req.decode_metadata_delay_s and self.wave > 1):
                 raise ScenarioError(f"{self.name}: request {r} decode_metadata_delay_s must be >= 0, "
                                     f"and is for one-at-a-time scenarios only (wave {self.wave})")

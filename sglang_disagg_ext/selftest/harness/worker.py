@@ -535,12 +535,13 @@ class Worker:
 
         req = self.scn.requests[index]
         deadline = time.monotonic() + self.scn.timeouts.request_s
-        receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, self.bootstrap_addr, rec["room"])
+        addr = self._unanswering_addr() if req.prefill_unanswered else self.bootstrap_addr
+        receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, addr, rec["room"])
         rec["receiver_class"] = self.ss.class_name(receiver)
         rec["phases"]["receiver"] = round(time.time(), 3)
         trace = rec["polls"]
         t_made = time.monotonic()
-        if self.scn.decode_pending_queue and not self._ensure_prefill_info_as_queued(receiver, trace):
+        if self.scn.decode_pending_queue and not self._ensure_prefill_info_as_queued(receiver, trace, addr, rec):
             state = self._poll_until(receiver, FINAL, deadline, trace)
             rec["seconds"] = round(time.monotonic() - t_made, 4)
             rec["status"] = state
@@ -588,24 +589,44 @@ class Worker:
                                    f"startup_s={self.scn.timeouts.startup_s}")
             time.sleep(0.1)
 
-    # SGLang's pending queue: one attempt a second, 15 attempts, then the receiver aborted
-    # (``_ensure_retry_interval``, ``_max_ensure_retries``: the same in every wheel 0.5.10.post1-0.5.23).
-    QUEUE_RETRY_S, QUEUE_MAX_TRIES = 1.0, 15
+    # SGLang's pending queue: one attempt a second, 15 attempts (``Scenario.pending_queue_tries``),
+    # then the receiver aborted (``_ensure_retry_interval``, ``_max_ensure_retries``: the same in every
+    # wheel 0.5.10.post1-0.5.23). Stock's second runs from the try's start: a try that took longer
+    # is followed at once.
+    QUEUE_RETRY_S = 1.0
 
-    def _ensure_prefill_info_as_queued(self, receiver, trace: list) -> bool:
+    def _ensure_prefill_info_as_queued(self, receiver, trace: list, addr: str, rec: Dict[str, Any]) -> bool:
         """What ``DecodePreallocQueue._ensure_prefill_info`` does for one waiting request (the
         harness stands in for decode's scheduler): True once prefill's info is there; False when
-        the receiver was ended meanwhile (a refusal) or the tries ran out (receiver aborted)."""
-        for _ in range(self.QUEUE_MAX_TRIES):
-            if self.ss.try_ensure_prefill_info(self.mgr, self.bootstrap_addr):
+        the receiver was ended meanwhile (a refusal) or the tries ran out (receiver aborted).
+        ``rec["lookup_seconds"]``: how long each try held the (stand-in) scheduler thread."""
+        held = rec.setdefault("lookup_seconds", [])
+        for _ in range(self.scn.pending_queue_tries):
+            t_try = time.monotonic()
+            ready = self.ss.try_ensure_prefill_info(self.mgr, addr)
+            held.append(round(time.monotonic() - t_try, 4))
+            if ready:
                 return True
             name = self.ss.poll_name(receiver.poll())
             trace.append([name, round(_now(), 3)])
             if name in FINAL:
                 return False
-            time.sleep(self.QUEUE_RETRY_S)
+            time.sleep(max(0.0, self.QUEUE_RETRY_S - (time.monotonic() - t_try)))
         receiver.abort()
         return False
+
+    def _unanswering_addr(self) -> str:
+        """A bootstrap address on loopback whose socket listens and never accepts: the kernel
+        completes each connection, the HTTP request is sent and no answer comes (a prefill behind
+        a link that drops packets). One per worker, closed when it exits."""
+        if getattr(self, "_unanswering", None) is None:
+            import socket
+
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+            self._unanswering = sock
+        return f"127.0.0.1:{self._unanswering.getsockname()[1]}"
 
     def _run_decode_hook(self, rec: Dict[str, Any]) -> None:
         """``SGLANG_HARNESS_DECODE_HOOK=<file.py>:<function>``: call ``function(pools,
