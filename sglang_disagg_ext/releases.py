@@ -1154,6 +1154,19 @@ def stock_prefill_info_lookup():
     return lookup, info_class
 
 
+def prefill_takes_abort() -> bool:
+    """Whether this release's prefills end a room on decode's ``ABORT`` message and announce it by
+    the bootstrap answer's ``decode_allocation_policy`` field (``core.prefill_notice``): both come
+    with 0.5.22 (``common/conn.py`` ``ABORT_TAG``, ``PrefillServerInfo.decode_allocation_policy``)."""
+    from sglang.srt.disaggregation.common import conn
+
+    from sglang_disagg_ext.core.prefill_notice import TAKES_ABORT_FIELD
+
+    info_class = getattr(conn, "PrefillServerInfo", None)
+    return (getattr(conn, "ABORT_TAG", None) == b"ABORT" and info_class is not None
+            and TAKES_ABORT_FIELD in declared_fields(info_class))
+
+
 def read_stock_f5() -> StockF5Facts:
     """Read :class:`StockF5Facts` from SGLang's own methods and their source (not cached).
 

@@ -36,8 +36,9 @@ def _scenario():
     return pending_queue_scenario("decode with another page size", request_s=30, page_size=4, decode_page_size=8)
 
 
-def _assert_refused(result):
-    """Both requests Failed on decode at once with the mismatch as the reason, one ERROR, nothing written."""
+def _assert_refused(result, told: bool):
+    """Both requests Failed on decode at once with the mismatch as the reason, one ERROR, nothing written;
+    ``told``: prefill ended both too, told by decode (``-ext``'s notice), not by its bootstrap timeout."""
     assert result.error is None, result.error
     reqs = result.requests
     assert [r.error for r in reqs] == [None, None], [r.error for r in reqs]
@@ -50,13 +51,17 @@ def _assert_refused(result):
         assert not r.thread_errors, r.thread_errors
     errors = [line for r in reqs for line in r.decode_log if line.startswith("ERROR")]
     assert len(errors) == 1 and MISMATCH in errors[0], errors
+    if told:
+        assert [r.prefill_status for r in reqs] == ["Failed", "Failed"], [r.prefill_status for r in reqs]
+        assert not any("timed out" in (r.prefill_failure_reason or "") for r in reqs), \
+            [r.prefill_failure_reason for r in reqs]
 
 
 @pytest.mark.timeout(180)
 def test_stock_raises_the_mismatch_into_decodes_scheduler():
     result = run_scenario(_scenario(), "mooncake", timeout_s=150)
     if PATCHED:
-        _assert_refused(result)
+        _assert_refused(result, told=False)  # the F14 diff fails decode's rooms; it does not tell prefill
         return
     assert result.error is None, result.error
     for r in result.requests:
@@ -68,4 +73,6 @@ def test_stock_raises_the_mismatch_into_decodes_scheduler():
 @pytest.mark.skipif(not (POLICY.is_live("F14") or PATCHED),
                     reason=f"F14 is {POLICY.fixes['F14'].value} on SGLang {POLICY.version}")
 def test_ext_refuses_the_prefill_and_decode_serves_on():
-    _assert_refused(run_scenario(_scenario(), "mooncake-ext", timeout_s=150))
+    # -ext tells a prefill that takes ABORT (0.5.22 on); on patched sources it installs nothing for F14.
+    _assert_refused(run_scenario(_scenario(), "mooncake-ext", timeout_s=150),
+                    told=releases.prefill_takes_abort() and not PATCHED)

@@ -50,7 +50,10 @@ class StockLookup:
 
 
 class Ext(PrefillPairingMixin, StockLookup):
-    pass
+    def _ext_tell_prefill(self, addr, rooms):
+        # The notice to prefill (backends.common.prefill_notice, tested in test_prefill_notice.py
+        # against a real bootstrap server and socket): recorded here, not sent.
+        self.__dict__.setdefault("told", []).append((addr, list(rooms)))
 
 
 @pytest.mark.timeout(10)
@@ -76,6 +79,8 @@ def test_ext_refuses_that_prefill_and_fails_its_rooms_with_the_reason(caplog):
     assert mgr.try_ensure_parallel_info(BAD) is False
     assert mgr.request_status[4] == FAILED and mgr.failure_records[4] == reason
     assert mgr.asked == [BAD, GOOD]
+    # Prefill is told of each room decode failed, once: rooms 1 and 2 at the refusal, room 4 later.
+    assert mgr.told == [(BAD, [1, 2]), (BAD, [4])]
     errors = [r for r in caplog.records if "cannot pair" in r.getMessage()]
     assert len(errors) == 1 and errors[0].levelname == "ERROR"
 

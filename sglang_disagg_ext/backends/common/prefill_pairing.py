@@ -26,6 +26,7 @@ import time
 from typing import Dict, Tuple
 
 from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.common.prefill_notice import PrefillNotice
 
 logger = logging.getLogger("sglang_disagg_ext.prefill_pairing")
 
@@ -36,9 +37,10 @@ RECHECK_S = 30.0
 _FAILED = 0
 
 
-class PrefillRefusals:
+class PrefillRefusals(PrefillNotice):
     """Decode's table of refused prefill addresses, shared by F14 and F19 (each refuses for its own
-    reason; a refused address is answered from memory for ``RECHECK_S``)."""
+    reason; a refused address is answered from memory for ``RECHECK_S``). The rooms it fails are
+    also ended on prefill (``prefill_notice``), which stock never tells."""
 
     def _ext_answer_refused(self, bootstrap_addr: str) -> bool:
         """True (and every room waiting for the address Failed) while its refusal is fresh."""
@@ -71,6 +73,7 @@ class PrefillRefusals:
         """End every room waiting for ``bootstrap_addr`` Failed with ``reason`` (decode's receivers
         read it: ``failure_exception`` raises it, and SGLang answers the request with it)."""
         rooms = list(self.addr_to_rooms_tracker.get(bootstrap_addr, ()))
+        failed = []
         for room in rooms:
             try:
                 if self.check_status(room) == _FAILED:
@@ -80,6 +83,8 @@ class PrefillRefusals:
             self.record_failure(room, reason)
             self.update_status(room, _FAILED)
             metrics.count("requests_refused_total", fix=counted[0], reason=counted[1])
+            failed.append(room)
+        self._ext_tell_prefill(bootstrap_addr, failed)
 
 
 class PrefillPairingMixin(PrefillRefusals):

@@ -11,7 +11,8 @@ older release's CPU server serves no other, ``cpu_servers.page_size``).
   prompt's greedy tokens equal a colocated server's on the newer release, and both servers
   count the transfers as successes.
 * Prefill upgraded first (prefill on the newer release, decode on the older): refused cleanly by
-  decode (F19). Every request ends with an HTTP error within a bound; decode logs one ERROR that
+  decode (F19), which also tells prefill. Every request ends with an HTTP error within a bound
+  shorter than one prefill bootstrap timeout per router try; decode logs one ERROR that
   names each field it cannot read (by hand: the fields added to the bootstrap answer after the
   older release, ``test_newer_prefill.ADDED``) and "upgrade decode before prefill"; all three
   processes stay up; decode counts the refusal. Stock's behaviour for the same pair (15 ERRORs and
@@ -36,15 +37,17 @@ import cpu_servers as cs  # noqa: E402
 from test_newer_prefill import ADDED, DECODE_PYTHON  # noqa: E402
 
 from sglang_disagg_ext import releases  # noqa: E402
+from sglang_disagg_ext.core import prefill_notice  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
 NEWER = releases.installed_sglang_version()
 PAGE = 1
-# SGLang's router tries a request up to six times. Decode fails each -ext try at once, but the
-# router answers once prefill ends its side too: by its bootstrap timeout (it never hears from a
-# decode that cannot read its answer), cpu_servers.TIMEOUT_S.
-REFUSED_BOUND_S = 6 * cs.TIMEOUT_S + 30.0
+# SGLang's router tries a request up to six times, and answers a try once prefill ends its side
+# too. Decode fails each -ext try at once and tells prefill (backends.common.prefill_notice: ABORT,
+# sent again up to SEND_AT_S[-1] = 3 s later), so a try ends within seconds; a prefill never told
+# ends each try at its bootstrap timeout, cpu_servers.TIMEOUT_S (10 s: 50 s for five tries).
+REFUSED_BOUND_S = 6 * (prefill_notice.SEND_AT_S[-1] + 2.0)
 # The plugin's own ERROR line (SGLang's per-request "Decode handshake failed ... with exception
 # KVTransferError(...): <reason>" lines carry the reason too).
 PLUGIN_REFUSAL = re.compile(r"^\[[^\]]*\] prefill \S+ runs a newer SGLang than this decode", re.M)
