@@ -224,11 +224,8 @@ def _add_orphan_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves,
     if 2 * cfg.sglang_timeout_s >= cfg.request_s:
         raise ValueError(f"orphan rooms need request_s > 2 x sglang_timeout_s (decode's waiting timeout), "
                          f"got {cfg.request_s} and {cfg.sglang_timeout_s}")
-    rng = random.Random(f"{cfg.seed}:orphan rooms")
     made = 0
-    for index, req in enumerate(requests):
-        if index // cfg.wave in clean_waves or rng.random() >= cfg.orphan_rate or req.fault is not None:
-            continue
+    for _, req, _ in _share(cfg, requests, clean_waves, "orphan rooms", cfg.orphan_rate):
         req.prefill_admits, req.fault = False, "never_admitted"
         made += 1
     return made
@@ -243,11 +240,8 @@ def _add_mismatched_peer(cfg: SoakConfig, requests: List[RequestSpec], clean_wav
         return 0
     if cfg.multi_rank or engine != "mooncake":
         raise ValueError("a mismatched peer runs on Mooncake, one rank a side only")
-    rng = random.Random(f"{cfg.seed}:mismatched peer")
     made = 0
-    for index, req in enumerate(requests):
-        if index // cfg.wave in clean_waves or rng.random() >= cfg.mismatched_rate or req.fault is not None:
-            continue
+    for _, req, _ in _share(cfg, requests, clean_waves, "mismatched peer", cfg.mismatched_rate):
         req.fault = MISMATCHED_PEER
         made += 1
     return made
@@ -262,17 +256,25 @@ def _add_duplicate_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_wav
         return 0
     if cfg.multi_rank:
         raise ValueError("duplicate rooms run one rank a side only")
-    rng = random.Random(f"{cfg.seed}:duplicate rooms")
     made = 0
-    for index, req in enumerate(requests):
+    for index, req, rng in _share(cfg, requests, clean_waves, "duplicate rooms", cfg.duplicate_rate):
         w = index // cfg.wave
-        if w in clean_waves or rng.random() >= cfg.duplicate_rate or req.fault is not None:
-            continue
         holders = [j for j in range(w * cfg.wave, index) if requests[j].fault is None]
         if holders:
             req.room, req.fault = ROOM_BASE + rng.choice(holders), "duplicate_room"
             made += 1
     return made
+
+
+def _share(cfg: SoakConfig, requests: List[RequestSpec], clean_waves, stream: str, rate: float):
+    """The valid requests outside the clean waves that a share ``rate`` of them, drawn from the
+    fault's own seeded stream ``stream``, gets: yields (index, request, that stream's generator),
+    lazily, so a request marked by the caller is no longer valid for the ones after it."""
+    rng = random.Random(f"{cfg.seed}:{stream}")
+    for index, req in enumerate(requests):
+        if index // cfg.wave in clean_waves or rng.random() >= rate or req.fault is not None:
+            continue
+        yield index, req, rng
 
 
 OUTCOMES = ("ok", "failed_as_faulted", "failed_on_failed_post", "lost_with_decode", "collateral_failure",

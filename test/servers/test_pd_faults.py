@@ -169,9 +169,9 @@ def test_a_prefill_address_that_never_answers(mooncake_pairs, policy, backend):
     hole.bind(("127.0.0.1", 0))
     hole.listen(128)
     stuck = []
-    body = {"text": cs.PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": FEW_TOKENS},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": hole.getsockname()[1], "bootstrap_room": 4242}
-    thread = threading.Thread(target=lambda: stuck.append(cs.post(pair.url("decode") + "/generate", body, 300.0)))
+    to_hole = {"text": cs.PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": FEW_TOKENS},
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": hole.getsockname()[1], "bootstrap_room": 4242}
+    thread = threading.Thread(target=lambda: stuck.append(cs.post(pair.url("decode") + "/generate", to_hole, 300.0)))
     try:
         t0 = time.monotonic()
         thread.start()
