@@ -29,7 +29,8 @@ PATCHED_TESTS := test/integration/test_mooncake_ext.py test/integration/test_nix
 PATCHED_TESTS_0.5.23 := test/integration/test_mooncake_state_pairing.py test/integration/test_mooncake_threads.py \
 	test/integration/test_mooncake_registration.py test/integration/test_metadata_gate.py \
 	test/integration/test_mooncake_isolation.py test/integration/test_decode_pairing_check.py \
-	test/integration/test_nixl_bootstrap_screen.py test/integration/test_prefill_lookup.py
+	test/integration/test_nixl_bootstrap_screen.py test/integration/test_prefill_lookup.py \
+	test/integration/test_held_pages.py
 PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
 # Every release with a pin file in requirements/ (the policy table's releases), oldest first.

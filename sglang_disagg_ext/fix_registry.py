@@ -98,6 +98,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_prefill_answer.py", "test/mixed/test_newer_prefill.py"), "docs/fixes.md"),
     FixEntry("F20", (), (_BACK + "common/prefill_lookup.py", _BACK + "common/compose.py"), (),
              (), (_IT + "test_prefill_lookup.py",), "docs/fixes.md"),
+    FixEntry("F21", (_CORE + "held_pages.py",), (_BACK + "common/held_pages.py", _BACK + "common/compose.py"), (),
+             (), ("test/unit/test_held_pages_rule.py", _IT + "test_held_pages.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

@@ -39,6 +39,10 @@ Names (all prefixed ``sglang_disagg_ext_``):
 * ``session_probes_total``: F6 probes of a Mooncake decode session after a failed
   transfer, by ``fix`` and ``result`` (``alive``: the session stays usable;
   ``dead``: marked failed, as stock marks it).
+* ``kv_holds_total``: F21, on decode, by ``event``: ``held`` (a failed request's pages kept past
+  SGLang's deferred release timeout, prefill not having confirmed its writes stopped), then how
+  they went back: ``drained`` (prefill confirmed) or ``peer_gone`` (prefill declared dead).
+  ``held`` minus the other two is the rooms held now.
 * ``retract_offloads_total``: F5 index-key offloads on retract.
 * ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
   by ``result`` (``ok``; ``unverified``: some source rank sent no digest, the room succeeded;
@@ -83,6 +87,9 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         ("backend", "reason")),
     "session_probes_total": (
         "counter", "Decode sessions probed after a failed transfer before being marked failed (F6)", ("fix", "result")),
+    "kv_holds_total": (
+        "counter", "Failed requests whose pages decode kept past SGLang's deferred release timeout (held), "
+        "and how they went back (drained, peer_gone) (F21)", ("event",)),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
     "verified_transfers_total": (
         "counter", "Rooms decode checked against the prefill digest (SGLANG_DISAGG_EXT_VERIFY=1)", ("result",)),

@@ -37,6 +37,8 @@ HOOKS: Tuple[Hook, ...] = (
          "retract/resume"),
     Hook("F10", "sglang_disagg_ext.backends.common.metadata_gate", "install_metadata_gate_deadline",
          "uninstall_metadata_gate_deadline", "metadata gate deadline", optional=True),
+    Hook("F21", "sglang_disagg_ext.backends.common.held_pages", "install_held_pages", "uninstall_held_pages",
+         "held pages past the release timeout", optional=True),
 )
 
 
