@@ -30,7 +30,7 @@ PATCHED_TESTS_0.5.23 := test/integration/test_mooncake_state_pairing.py test/int
 	test/integration/test_mooncake_registration.py test/integration/test_metadata_gate.py \
 	test/integration/test_mooncake_isolation.py test/integration/test_decode_pairing_check.py \
 	test/integration/test_nixl_bootstrap_screen.py test/integration/test_prefill_lookup.py \
-	test/integration/test_held_pages.py
+	test/integration/test_held_pages.py test/integration/test_nixl_transfer_deadline.py
 PATCHED_TESTS += $(PATCHED_TESTS_$(SGLANG))
 
 # Every release with a pin file in requirements/ (the policy table's releases), oldest first.

@@ -100,6 +100,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), (_IT + "test_prefill_lookup.py",), "docs/fixes.md"),
     FixEntry("F21", (_CORE + "held_pages.py",), (_BACK + "common/held_pages.py", _BACK + "common/compose.py"), (),
              (), ("test/unit/test_held_pages_rule.py", _IT + "test_held_pages.py"), "docs/fixes.md"),
+    FixEntry("F22", (), (_BACK + "nixl/transfer_deadline.py", _BACK + "nixl/conn.py"), (),
+             (), (_IT + "test_nixl_transfer_deadline.py",), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

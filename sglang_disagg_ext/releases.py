@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -182,7 +182,9 @@ FIX_TITLES = {
     "F20": "Decode asks a prefill for its parallel info off its scheduler thread: a prefill address that never "
     "answers no longer stops every decode step for 5 s a try; its waiting requests end Failed after stock's 15 tries",
     "F21": "Decode keeps a failed request's pages past SGLang's deferred release timeout until prefill confirms "
-    "its writes stopped or is declared dead, instead of handing them to another request 'anyway'",
+    "its writes stopped or its process is gone, instead of handing them to another request 'anyway'",
+    "F22": "A NIXL transfer that never settles (a stalled decode) ends Failed at SGLang's waiting timeout instead of "
+    "holding prefill's transfer worker, and every room queued behind it, for ever",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -208,6 +210,7 @@ FIX_BACKEND = {
     "F19": "all",
     "F20": "all",
     "F21": "all",
+    "F22": "nixl",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -341,23 +344,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N, "F22": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -413,9 +416,19 @@ _ACTIVE_RELEASES = {
 # 0.5.23 ``DecodeTransferQueue.resolve_deferred_releases`` release a device destination at
 # ``deadline`` without prefill's drain ack (0.5.23 decode.py:3046-3108, 0.5.22's without the all-reduce
 # of the ready flags; ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``, environ.py:777-778):
-# live there. Up to 0.5.21 no wheel has a deferred release at all (decode frees a failed request's pages
-# at once, with no drain ack to wait for; nothing a hook can wait on): n/a. Covered on 0.5.23's leg
-# (test_held_pages.py, SGLang's own queue over a real manager's ack table); 0.5.22 by hand.
+# live there, covered on 0.5.23's leg (test_held_pages.py, SGLang's own queue over a real manager's ack
+# table) and by hand on 0.5.22. 0.5.19-0.5.21 have the same release "anyway" (0.5.19 decode.py:2405-2435,
+# 0.5.21 :2806-2860; switched off by default up to 0.5.20, environ.py ``EnvBool(False)``, on in 0.5.21)
+# with entries of another shape (no hold start: ``(decode_req, deadline, idx, acks)``), which the hook
+# does not read: live, not covered. Up to 0.5.18 no wheel has a deferred release (decode frees a failed
+# request's pages at once, no drain ack to wait for): n/a.
+# F22 (a NIXL transfer worker waits without bound on a batch whose handles stay PROC): 0.5.20-0.5.23
+# ``NixlKVManager._await_handles`` ("The wait is unbounded while every handle is still healthy", the same
+# method byte for byte in the four wheels; 0.5.23 nixl/conn.py:1096-1133), 0.5.12-0.5.19 the same wait
+# written inline in ``transfer_worker`` (``while handles: ... time.sleep(0)``, 0.5.12.post1
+# nixl/conn.py:733-739): live; covered on 0.5.22 and 0.5.23 (test_nixl_transfer_deadline.py: a real UCX
+# write to a SIGSTOPped peer process), not covered before. Up to 0.5.11 no worker waits (the sender polls
+# its handles from the scheduler): n/a.
 # A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")

@@ -9,7 +9,7 @@ L, U, N = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA
 
 X = FixStatus.UNCOVERED
 
-# (release, support, layout, F1..F21) — from shared/notes/sglang-releases.md, except F4/F5 on
+# (release, support, layout, F1..F22) — from shared/notes/sglang-releases.md, except F4/F5 on
 # 0.5.12.x, read from the wheels: live, because NIXL still maps decode-side head replicas by
 # modulo (0.5.12.post1 nixl/conn.py:1002-1004) and the NSA offload rejects the allocator's
 # mamba_indices= keyword (memory_pool.py:2145 vs allocator.py:524). F6-F8 read in every
@@ -61,27 +61,31 @@ X = FixStatus.UNCOVERED
 # _ensure_prefill_info once a second, 15 tries): live everywhere.
 # F21 (decode gives a failed request's pages back at the deferred release timeout without prefill's drain
 # ack): DecodeTransferQueue.resolve_deferred_releases in 0.5.22 and 0.5.23 (0.5.23 decode.py:3046-3108);
-# no wheel up to 0.5.21 has a deferred release (n/a).
+# 0.5.19-0.5.21 release "anyway" too, from entries of another shape the hook does not read (live, not
+# covered); no wheel up to 0.5.18 has a deferred release (n/a).
+# F22 (a NIXL transfer worker's unbounded wait on a batch still PROC): NixlKVManager._await_handles in
+# 0.5.20-0.5.23 (identical), inline in transfer_worker 0.5.12-0.5.19: live, covered on 0.5.22/0.5.23;
+# up to 0.5.11 the sender polls its handles from the scheduler, no worker waits (n/a).
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, L, L, N)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X, X, X, N)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, N)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, L, L, N, N)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X, X, X, N, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L, L)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L, L)),
 ]
 
 

@@ -957,8 +957,9 @@ class NixlExtKVSender(NixlKVSender):
 def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     """Names in ``sglang.srt.disaggregation.nixl`` to route to the plugin.
 
-    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager alone, where
-    F13 is (0.5.13-0.5.21) ``backends.nixl.swa_tp``'s.
+    Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager (with F22's
+    transfer deadline, ``backends.nixl.transfer_deadline``), where F13 is (0.5.13-0.5.21)
+    ``backends.nixl.swa_tp``'s.
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -971,7 +972,12 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         # (stock's sender reports the conclusions F11 makes).
         from sglang_disagg_ext.backends.nixl.head_sliced import NixlHeadSlicedKVManager
 
-        return {"NixlKVManager": _with_verification(NixlHeadSlicedKVManager, policy)}
+        manager = NixlHeadSlicedKVManager
+        if policy.is_live("F22"):
+            from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
+
+            manager = with_transfer_deadline(manager)
+        return {"NixlKVManager": _with_verification(manager, policy)}
     if policy.is_live("F13"):
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl.swa_tp import NixlSwaTpKVManager
