@@ -9,7 +9,8 @@ all-reduce over a one-rank gloo group in 0.5.23), the manager's drain-ack table
 ``is_abort_release_safe``), its ``_handle_node_failure`` (what decode's heartbeat calls for a prefill
 that fails its health checks), the receiver's ``_send_abort_notification`` over a real ZMQ socket to a bound "prefill
 rank" socket that reads each ``ABORT`` back with SGLang's ``AbortNotification.from_zmq``, and, for
-``-ext``, the classes and hook that activating ``mooncake-ext`` routes and installs.
+``-ext``, the classes and hook that activating ``mooncake-ext`` or ``nixl-ext`` routes and installs (each
+test runs on both engines' managers and receivers).
 
 Stand-ins, for what needs a running server: the manager, receiver and queue are made without
 ``__init__`` (which bind sockets, start threads and an engine, read a server's config); their
@@ -29,6 +30,7 @@ in both.
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import threading
 import time
@@ -39,7 +41,7 @@ import pytest
 torch = pytest.importorskip("torch")
 zmq = pytest.importorskip("zmq")
 
-from sglang_disagg_ext import releases  # noqa: E402
+from sglang_disagg_ext import backend_table, releases  # noqa: E402
 from sglang_disagg_ext.backends.common import held_pages  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,26 +195,35 @@ def rank():
     r.close()
 
 
-@pytest.fixture
-def stock_classes():
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver
+# The hook sits on the queue and the ack table is CommonKVManager's, so every engine's -ext manager
+# takes the same path; MoRI's (whose engine is a stand-in here, imported only by its own tests) too.
+BACKENDS = ("mooncake", "nixl")
 
+
+def _classes(package):
+    record = backend_table.BY_NAME[package.__name__.rsplit(".", 1)[-1]]
+    return getattr(package, record.manager_class), getattr(package, record.receiver_class)
+
+
+@pytest.fixture(params=BACKENDS)
+def stock_classes(request):
+    package = importlib.import_module(f"sglang.srt.disaggregation.{request.param}")
     with held_pages.held_pages(enabled=False):
-        yield MooncakeKVManager, MooncakeKVReceiver
+        yield _classes(package)
 
 
-@pytest.fixture
-def ext_classes(clean_activation):
-    from sglang.srt.disaggregation import mooncake
-
+@pytest.fixture(params=BACKENDS)
+def ext_classes(request, clean_activation):
+    package = importlib.import_module(f"sglang.srt.disaggregation.{request.param}")
     if PATCHED:
         with held_pages.held_pages(enabled=False):
-            yield mooncake.MooncakeKVManager, mooncake.MooncakeKVReceiver
+            yield _classes(package)
         return
-    clean_activation.activate("mooncake-ext")
+    clean_activation.activate(f"{request.param}-ext")
+    manager, receiver = _classes(package)
     # What SGLang's backend lookup reads (the package's names) once the -ext name is activated.
-    assert held_pages.installed() and mooncake.MooncakeKVManager.__module__.startswith("sglang_disagg_ext.")
-    yield mooncake.MooncakeKVManager, mooncake.MooncakeKVReceiver
+    assert held_pages.installed() and manager.__module__.startswith("sglang_disagg_ext.")
+    yield manager, receiver
 
 
 @needs_fix
