@@ -8,6 +8,8 @@ from importlib import metadata
 from typing import Dict, Optional
 
 from sglang_disagg_ext import backend_table, releases, verification
+from sglang_disagg_ext.backends.common import held_pages
+from sglang_disagg_ext.core.held_pages import LIMIT_ENV
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "disagg_ext"
@@ -89,6 +91,8 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         warnings.append(policy.unknown_release_warning())
     if verification.invalid_setting():
         problems.append(verification.invalid_setting())
+    if held_pages.invalid_setting():
+        problems.append(held_pages.invalid_setting())
     if policy.supported and not any(engines.values()):
         problems.append(f"no transfer engine ({', '.join(backend_table.NAMES)}) imports here")
     return {
@@ -112,6 +116,8 @@ def diagnose(policy: Optional[releases.ReleasePolicy] = None) -> Dict:
         "verified_transfers": {"enabled": verification.enabled(), "mode": verification.mode(),
                                "env": verification.VERIFY_ENV,
                                "unavailable": verification.available(policy)},
+        # F21: how long a failed request's pages may be held for a prefill that never confirms (None: until it does).
+        "held_pages_limit": {"env": LIMIT_ENV, "seconds": held_pages.limit_s()},
     }
 
 
@@ -217,6 +223,9 @@ def format_report(report: Dict) -> str:
     for ext, why in verify["unavailable"].items():
         if why:
             lines.append(f"  {ext}: {why}")
+    limit = report["held_pages_limit"]
+    held = "until prefill confirms or exits" if limit["seconds"] is None else f"at most {limit['seconds']:g} s"
+    lines.append(f"held pages (F21): {held} ({limit['env']} caps it, without proof)")
     lines.append("")
     passing = report["support"].endswith("pass-through")
     for ext, info in report["backends"].items():

@@ -41,7 +41,8 @@ Names (all prefixed ``sglang_disagg_ext_``):
   ``dead``: marked failed, as stock marks it).
 * ``kv_holds_total``: F21, on decode, by ``event``: ``held`` (a failed request's pages kept past
   SGLang's deferred release timeout, prefill not having confirmed its writes stopped), then how
-  they went back: ``drained`` (prefill confirmed) or ``peer_gone`` (prefill declared dead).
+  they went back: ``drained`` (prefill confirmed), ``peer_gone`` (every prefill rank endpoint refuses
+  connections: its process is gone) or ``limit`` (``SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S``, without proof).
   ``held`` minus the other two is the rooms held now.
 * ``retract_offloads_total``: F5 index-key offloads on retract.
 * ``verified_transfers_total``: rooms decode checked with ``SGLANG_DISAGG_EXT_VERIFY=1``,
@@ -89,7 +90,7 @@ DEFINITIONS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "counter", "Decode sessions probed after a failed transfer before being marked failed (F6)", ("fix", "result")),
     "kv_holds_total": (
         "counter", "Failed requests whose pages decode kept past SGLang's deferred release timeout (held), "
-        "and how they went back (drained, peer_gone) (F21)", ("event",)),
+        "and how they went back (drained, peer_gone, limit) (F21)", ("event",)),
     "retract_offloads_total": ("counter", "NSA index-key offloads on retract (F5)", ()),
     "verified_transfers_total": (
         "counter", "Rooms decode checked against the prefill digest (SGLANG_DISAGG_EXT_VERIFY=1)", ("result",)),

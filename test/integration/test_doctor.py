@@ -115,3 +115,14 @@ def test_doctor_says_whether_and_where_transfers_are_verified(policy):
     assert set(verify["unavailable"]) == {"mooncake-ext", "nixl-ext", "mori-ext"}
     assert {ext for ext, why in verify["unavailable"].items() if not why} == VERIFY_AVAILABLE[policy.version]
     assert code == 0
+
+
+@pytest.mark.timeout(300)
+def test_doctor_says_how_long_held_pages_may_be_held():
+    code, report = _doctor({"SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S": "90"})
+    assert report["held_pages_limit"] == {"env": "SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S", "seconds": 90.0}
+    assert code == 0
+    code, report = _doctor({"SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S": "soon"})
+    assert report["held_pages_limit"]["seconds"] is None  # held until confirmed
+    assert any("SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S='soon'" in p for p in report["problems"])
+    assert code != 0

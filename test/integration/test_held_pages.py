@@ -285,6 +285,17 @@ def test_ext_keeps_a_silent_prefills_pages_until_it_acks_or_its_process_is_gone(
 
 
 @needs_fix
+def test_ext_gives_the_pages_back_at_the_operators_limit(ext_classes, rank, caplog, monkeypatch):
+    if PATCHED:
+        pytest.skip("n/a: SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S is the plugin's setting, not in patches/'s diff")
+    monkeypatch.setenv("SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S", "2.5")
+    released, _, queue = _run(ext_classes, rank, until_s=3 * TIMEOUT_S + 0.5)
+    assert 2.5 <= released[SILENT] < 2.5 + 1.0, released
+    assert queue._deferred_releases == []
+    assert f"giving back room {SILENT}'s pages after" in caplog.text and "WITHOUT proof" in caplog.text
+
+
+@needs_fix
 def test_ext_holds_for_a_prefill_the_heartbeat_declared_dead_while_its_socket_lives(ext_classes, rank):
     """Decode's heartbeat declaring a prefill dead (``_handle_node_failure``: its health checks failed)
     proves nothing about its writes: a stalled scheduler fails health checks and writes again when it

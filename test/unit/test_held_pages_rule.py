@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from sglang_disagg_ext.backends.common.held_pages import endpoints_refuse
-from sglang_disagg_ext.core.held_pages import Verdict, abort_resend_due, verdict
+from sglang_disagg_ext.core.held_pages import LIMIT_ENV, Verdict, abort_resend_due, parse_limit, verdict
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,6 +28,31 @@ def _v(now, *, drained=False, gone=False):
 ])
 def test_verdict(now, drained, gone, expected):
     assert _v(now, drained=drained, gone=gone) is expected
+
+
+@pytest.mark.parametrize("now, limit, expected", [
+    (159.9, 60.0, Verdict.HOLD), (160.0, 60.0, Verdict.LIMIT),  # 60 s from the hold's start
+    (130.0, 10.0, Verdict.LIMIT),  # a limit under stock's timeout: at the timeout, never before
+    (129.9, 10.0, Verdict.STOCK),
+    (10_000.0, None, Verdict.HOLD),  # no limit: held
+])
+def test_verdict_with_the_operators_limit(now, limit, expected):
+    assert verdict(now=now, held_since=100.0, timeout_s=30.0, drained=False, prefill_gone=False,
+                   limit_s=limit) is expected
+    # Proof outranks the limit: acked or gone is said as such.
+    assert verdict(now=now, held_since=100.0, timeout_s=30.0, drained=False, prefill_gone=True,
+                   limit_s=limit) in (Verdict.PEER_GONE, Verdict.STOCK)
+
+
+@pytest.mark.parametrize("raw, value", [(None, None), ("", None), ("  ", None), ("90", 90.0), ("0.5", 0.5)])
+def test_parse_limit(raw, value):
+    assert parse_limit(raw) == value
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "abc", "inf", "nan"])
+def test_parse_limit_refuses(raw):
+    with pytest.raises(ValueError, match=LIMIT_ENV):
+        parse_limit(raw)
 
 
 @pytest.mark.parametrize("now, last_sent, due", [

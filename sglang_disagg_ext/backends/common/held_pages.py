@@ -12,9 +12,10 @@ timed out may still be running), so a late write lands in another request's KV.
 ``-ext`` manager stays held. Once per timeout period its ``ABORT`` goes out again (SGLang's own
 ``_send_abort_notification``, a fresh generation) and, off the scheduler thread, decode tries a TCP
 connection to each of the room's prefill rank endpoints. The pages go back when the acks come in, or
-once every endpoint refuses (the prefill process is gone). Each held room is logged once (WARNING)
-and counted in ``/metrics`` (``kv_holds_total{event}``: held, drained, peer_gone), and so is how its
-pages went back.
+once every endpoint refuses (the prefill process is gone), or at the operator's
+``SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S`` if set (without proof: an ERROR says so). Each held room is
+logged once (WARNING) and counted in ``/metrics`` (``kv_holds_total{event}``: held, drained,
+peer_gone, limit), and so is how its pages went back. What holding costs: ``core.held_pages``.
 
 The hook reorders nothing: it rewrites the deadline of each held entry before stock's method runs
 (infinity while held, the original deadline once the prefill is gone), so stock's own all-reduce
@@ -27,13 +28,14 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import os
 import socket
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext.backends.common import hooks
-from sglang_disagg_ext.core.held_pages import Verdict, abort_resend_due, verdict
+from sglang_disagg_ext.core.held_pages import LIMIT_ENV, Verdict, abort_resend_due, parse_limit, verdict
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,24 @@ def _gone(said) -> bool:
     return probe is not None and probe.done() and probe.exception() is None and probe.result()
 
 
+def limit_s() -> Optional[float]:
+    """The operator's ``SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S`` (None: hold until confirmed; also for an
+    invalid value, which ``doctor`` reports as a problem)."""
+    try:
+        return parse_limit(os.environ.get(LIMIT_ENV))
+    except ValueError:
+        return None
+
+
+def invalid_setting() -> Optional[str]:
+    """What is wrong with ``SGLANG_DISAGG_EXT_HELD_PAGES_LIMIT_S``, or None."""
+    try:
+        parse_limit(os.environ.get(LIMIT_ENV))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _queue_class():
     import importlib
 
@@ -109,7 +129,8 @@ def _held_entry(queue, entry, now: float):
     addr = getattr(receiver, "bootstrap_addr", None)
     drained = mgr.is_abort_release_safe(room, required_acks)
     said = receiver.__dict__.setdefault("_ext_f21", {})
-    decided = verdict(now=now, held_since=held_since, timeout_s=timeout_s, drained=drained, prefill_gone=_gone(said))
+    decided = verdict(now=now, held_since=held_since, timeout_s=timeout_s, drained=drained, prefill_gone=_gone(said),
+                      limit_s=limit_s())
     if decided is Verdict.HOLD:
         if "held" not in said:
             said["held"] = now
@@ -133,11 +154,17 @@ def _held_entry(queue, entry, now: float):
                 "prefill %s refuses connections (its process is gone), so none of its writes can land",
                 room, now - held_since, addr)
             metrics.count("kv_holds_total", event="peer_gone")
+        elif decided is Verdict.LIMIT:
+            logger.error(
+                "sglang-disagg-ext F21: giving back room %s's pages after %.1f s WITHOUT proof that prefill %s's "
+                "writes to them stopped (%s=%s): a write that lands later lands in another request's KV",
+                room, now - held_since, addr, LIMIT_ENV, os.environ.get(LIMIT_ENV))
+            metrics.count("kv_holds_total", event="limit")
         else:
             logger.info("sglang-disagg-ext F21: room %s's pages go back after %.1f s: prefill confirmed its "
                         "writes stopped", room, now - held_since)
             metrics.count("kv_holds_total", event="drained")
-    if decided is Verdict.PEER_GONE:
+    if decided in (Verdict.PEER_GONE, Verdict.LIMIT):
         return (decode_req, held_since, held_since + timeout_s, metadata_idx, required_acks)
     return entry
 
