@@ -30,8 +30,10 @@ TRUTH = {
     "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F19", "F20"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F20"}, True),
     **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20"}, True) for r in (
-        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
-        "0.5.20", "0.5.21")},
+        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
+    # F22 (a NIXL worker's unbounded wait on a stalled decode) from 0.5.20, where _await_handles appears.
+    **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F22"}, True)
+       for r in ("0.5.20", "0.5.21")},
     "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22"}, True),
     # F15 (NIXL prefill's bootstrap loop dies of one bad message: every wheel) live on every release,
     # and F16 (a second live request admitted into a room in use: every wheel).

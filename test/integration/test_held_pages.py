@@ -53,7 +53,7 @@ PATCHED = "F21" in POLICY.patched
 # SGLang's own classes must do what -ext does on the unpatched wheel.
 needs_fix = pytest.mark.skipif(
     not (POLICY.is_live("F21") or PATCHED),
-    reason=f"n/a: SGLang {POLICY.version} has no deferred release (F21 {getattr(_F21, 'value', _F21)!r})",
+    reason=f"n/a: F21 is {getattr(_F21, 'value', _F21)!r} on SGLang {POLICY.version}: the plugin installs nothing there",
 )
 
 TIMEOUT_S = 1.0  # the queue's deferred_kv_release_timeout (SGLang's default is 30 s)

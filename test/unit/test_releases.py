@@ -64,7 +64,7 @@ X = FixStatus.UNCOVERED
 # 0.5.19-0.5.21 release "anyway" too, from entries of another shape the hook does not read (live, not
 # covered); no wheel up to 0.5.18 has a deferred release (n/a).
 # F22 (a NIXL transfer worker's unbounded wait on a batch still PROC): NixlKVManager._await_handles in
-# 0.5.20-0.5.23 (identical), inline in transfer_worker 0.5.12-0.5.19: live, covered on 0.5.22/0.5.23;
+# 0.5.20-0.5.23 (identical), inline in transfer_worker 0.5.12-0.5.19: live, covered on 0.5.20-0.5.23;
 # up to 0.5.11 the sender polls its handles from the scheduler, no worker waits (n/a).
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
@@ -82,8 +82,8 @@ EXPECTED = [
     ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
     ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
     ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L)),
     ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L, L)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L, L)),
 ]

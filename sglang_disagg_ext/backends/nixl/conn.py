@@ -959,7 +959,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
 
     Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager (with F22's
     transfer deadline, ``backends.nixl.transfer_deadline``), where F13 is (0.5.13-0.5.21)
-    ``backends.nixl.swa_tp``'s.
+    ``backends.nixl.swa_tp``'s (with F22's on 0.5.20 and 0.5.21).
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -982,7 +982,12 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl.swa_tp import NixlSwaTpKVManager
 
-        return {"NixlKVManager": _with_verification(NixlSwaTpKVManager, policy)}
+        manager = NixlSwaTpKVManager
+        if policy.is_live("F22"):  # 0.5.20, 0.5.21: the same _await_handles as 0.5.22+
+            from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
+
+            manager = with_transfer_deadline(manager)
+        return {"NixlKVManager": _with_verification(manager, policy)}
     return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
             "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
 

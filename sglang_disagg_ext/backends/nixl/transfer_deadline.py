@@ -1,6 +1,6 @@
 """F22: a NIXL transfer that never settles no longer holds prefill's transfer worker for ever.
 
-Stock (0.5.22 and 0.5.23 ``nixl/conn.py`` ``NixlKVManager._await_handles``, called by each transfer
+Stock (0.5.20-0.5.23 ``nixl/conn.py`` ``NixlKVManager._await_handles``, one method byte for byte; called by each transfer
 worker thread after it posts a room's batch): while every handle of the batch reads ``PROC`` the wait
 has no bound ("The wait is unbounded while every handle is still healthy"), spinning on
 ``time.sleep(0)``. A decode that stops progressing (a stalled or frozen process, a link that stopped
@@ -51,8 +51,8 @@ class NixlTransferDeadlineMixin:
     def _await_handles(self, handles: List[Any], *, failure_seen: bool) -> Tuple[bool, bool]:
         """Stock's wait for a posted batch, with a bound while every handle is healthy.
 
-        Contract: a prefill transfer worker thread calls it after posting a room's handles (0.5.22,
-        0.5.23: the batch barrier, a staging chunk, and the failure path with ``failure_seen``).
+        Contract: a prefill transfer worker thread calls it after posting a room's handles (0.5.20-0.5.23:
+        the batch barrier, a staging chunk, and the failure path with ``failure_seen``).
         Returns ``(settled, any_failed)`` as stock: ``(True, _)`` once every handle read ``DONE`` or
         ``ERR``; ``(False, True)`` when a state cannot be read, when handles still run
         ``NIXL_ERR_SETTLE_TIMEOUT_S`` after one failed (stock's bound), and here also when every
