@@ -18,7 +18,7 @@ logged once (WARNING) and counted in ``/metrics`` (``kv_holds_total{event}``: he
 peer_gone, limit), and so is how its pages went back. What holding costs: ``core.held_pages``.
 
 The hook reorders nothing: it rewrites the deadline of each held entry before stock's method runs
-(infinity while held, the original deadline once the prefill is gone), so stock's own all-reduce
+(infinity while held, the original deadline once the prefill is gone or the limit is reached), so stock's own all-reduce
 across attention ranks, release and metrics still decide and record every release.
 """
 
