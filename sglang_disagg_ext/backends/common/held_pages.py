@@ -18,8 +18,9 @@ logged once (WARNING) and counted in ``/metrics`` (``kv_holds_total{event}``: he
 peer_gone, limit), and so is how its pages went back. What holding costs: ``core.held_pages``.
 
 The hook reorders nothing: it rewrites the deadline of each held entry before stock's method runs
-(infinity while held, the original deadline once the prefill is gone or the limit is reached), so stock's own all-reduce
-across attention ranks, release and metrics still decide and record every release.
+(infinity, but the original deadline once the prefill is gone or the limit is reached: the rule, not
+stock's own clock read, decides when the timeout has passed), so stock's own all-reduce across attention
+ranks, release and metrics still decide and record every release.
 """
 
 from __future__ import annotations
@@ -166,7 +167,10 @@ def _held_entry(queue, entry, now: float):
             metrics.count("kv_holds_total", event="drained")
     if decided in (Verdict.PEER_GONE, Verdict.LIMIT):
         return (decode_req, held_since, held_since + timeout_s, metadata_idx, required_acks)
-    return entry
+    # STOCK: acked (stock releases it whatever its deadline) or before the timeout. Its deadline is put out
+    # of reach too: stock's method reads the clock again after this one, and a room whose timeout falls
+    # between the two reads would go back "anyway" (seen under load in CI: released at 1.0006 s).
+    return (decode_req, held_since, math.inf, metadata_idx, required_acks)
 
 
 def _acks(mgr, room) -> int:
