@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from sglang_disagg_ext.backends.common import held_pages
 from sglang_disagg_ext.backends.common.held_pages import endpoints_refuse
 from sglang_disagg_ext.core.held_pages import LIMIT_ENV, Verdict, abort_resend_due, parse_limit, verdict
 
@@ -81,3 +82,13 @@ def test_endpoints_refuse_only_when_every_one_refuses():
         assert endpoints_refuse([]) is False  # nothing looked at proves nothing
     finally:
         listening.close()
+
+
+def test_the_limit_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(LIMIT_ENV, "90")
+    assert held_pages.limit_s() == 90.0 and held_pages.invalid_setting() is None
+    monkeypatch.setenv(LIMIT_ENV, "soon")
+    assert held_pages.limit_s() is None  # unreadable: held until confirmed; doctor names it
+    assert LIMIT_ENV in held_pages.invalid_setting()
+    monkeypatch.delenv(LIMIT_ENV)
+    assert held_pages.limit_s() is None and held_pages.invalid_setting() is None
