@@ -3,7 +3,7 @@
 Narrowest boundary: ``NixlKVManager._await_handles``, the wait each of prefill's transfer worker
 threads makes on a room's posted batch (0.5.20-0.5.23), called here as the worker calls it. Real: a
 NIXL agent with the UCX backend over TCP on loopback (this process, as prefill), a real WRITE of
-32 MiB into a second process's registered host buffer (``test/support/nixl_peer.py``, as decode),
+256 MiB into a second process's registered host buffer (``test/support/nixl_peer.py``, as decode),
 stopped with SIGSTOP (a stalled decode: the write then reads ``PROC`` for as long as it is stopped),
 and the manager class the ``nixl-ext`` name routes. Stand-in: the manager is made without
 ``__init__`` (which binds the bootstrap sockets and starts the worker threads and a second agent);
@@ -53,7 +53,7 @@ def peer():
 
 @pytest.fixture
 def prefill(peer, monkeypatch):
-    """A prefill-side agent with a 32 MiB source of ones, the peer added; progress driven by the polls."""
+    """A prefill-side agent with a 256 MiB source of ones, the peer added; progress driven by the polls."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(DEADLINE_S))
     from nixl._api import nixl_agent, nixl_agent_config

@@ -12,7 +12,7 @@ import os
 import signal
 from typing import Tuple
 
-BUFFER_BYTES = 32 << 20  # larger than the TCP socket buffers: a write to a stopped peer cannot complete
+BUFFER_BYTES = 256 << 20  # far larger than TCP socket buffers and UCX send queues: a write to a stopped peer cannot complete
 
 
 def _serve(ucx_tls: str, to_parent, from_parent) -> None:
