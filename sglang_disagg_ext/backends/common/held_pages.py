@@ -113,7 +113,7 @@ def _resend_abort(receiver, room) -> None:
         logger.debug("sglang-disagg-ext F21: ABORT for room %s not re-sent", room, exc_info=True)
 
 
-def _held_entry(queue, entry, now: float):
+def _held_entry(queue, entry, now: float, limit: Optional[float]):
     """``entry`` of ``queue._deferred_releases`` with its deadline rewritten by the F21 rule."""
     decode_req, held_since, deadline, metadata_idx, required_acks = entry
     receiver = decode_req.kv_receiver
@@ -131,7 +131,7 @@ def _held_entry(queue, entry, now: float):
     drained = mgr.is_abort_release_safe(room, required_acks)
     said = receiver.__dict__.setdefault("_ext_f21", {})
     decided = verdict(now=now, held_since=held_since, timeout_s=timeout_s, drained=drained, prefill_gone=_gone(said),
-                      limit_s=limit_s())
+                      limit_s=limit)
     if decided is Verdict.HOLD:
         if "held" not in said:
             said["held"] = now
@@ -189,7 +189,8 @@ def resolve_deferred_releases_held(self) -> None:
     if self._deferred_releases:
         now = time.monotonic()
         try:
-            self._deferred_releases = [_held_entry(self, entry, now) for entry in self._deferred_releases]
+            limit = limit_s()  # once per call, not per held entry
+            self._deferred_releases = [_held_entry(self, entry, now, limit) for entry in self._deferred_releases]
         except Exception:  # noqa: BLE001 - never stop the scheduler; stock's rule then decides
             logger.exception("sglang-disagg-ext F21: held-page check failed; SGLang's own rule decides")
     return _originals[QUEUE_METHOD](self)
