@@ -15,8 +15,11 @@ field added after its release up to prefill's. Stock decode cannot build its ``P
 from the answer: an ERROR per try naming the first unknown field, the request aborted after the 15th
 try (at least 14 s) with "Aborted by AbortReq.". ``-ext``: the first try refuses the prefill, naming
 every unknown field; both requests end Failed on decode at once, one ERROR in all; nothing of decode
-is written; prefill ends its rooms by its own bootstrap timeout (the harness may stop watching a room
-decode has already ended before that).
+is written; decode's ABORT ends each room Failed on prefill, not its bootstrap timeout. Decode makes
+each receiver only once prefill has made that room's sender
+(``Scenario.decode_waits_for_prefill_sender``): SGLang's ABORT handler drops an ABORT for a room prefill
+has no status for yet, and without the wait the second room's ABORT could beat its sender (a CI run
+of 995664a, NIXL: that room stayed Bootstrapping).
 """
 
 import os
@@ -53,7 +56,7 @@ def _decode_facts():
 
 
 def _scenario():
-    return pending_queue_scenario("prefill newer than decode", request_s=40)
+    return pending_queue_scenario("prefill newer than decode", request_s=40, decode_waits_for_prefill_sender=True)
 
 
 @pytest.mark.timeout(240)

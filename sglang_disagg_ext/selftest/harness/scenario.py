@@ -233,6 +233,12 @@ class Scenario:
     decode_pending_queue: bool = False
     # How many tries the stand-in pending queue makes before it aborts the receiver (stock: 15).
     pending_queue_tries: int = 15
+    # Decode makes each request's receiver only once prefill has made that room's sender (prefill's
+    # result file says so), for a scenario about what prefill does with decode's ABORT: SGLang's ABORT
+    # handler drops an ABORT for a room prefill has no status for yet, so without this wait a refusal
+    # that beats prefill's sender leaves the room to prefill's bootstrap timeout and the test is a race.
+    # Only with decode_pending_queue.
+    decode_waits_for_prefill_sender: bool = False
     # Decode's page size when it differs from ``page_size`` (0: the same): a decode started with
     # another ``--page-size`` (its server arguments and pools), which SGLang's pairing check
     # refuses before any transfer (F14). Only with decode_pending_queue (no byte may move).
@@ -336,6 +342,8 @@ class Scenario:
         t = self.pending_queue_tries
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ScenarioError(f"{self.name}: pending_queue_tries must be an int >= 1, got {t!r}")
+        if self.decode_waits_for_prefill_sender and not self.decode_pending_queue:
+            raise ScenarioError(f"{self.name}: decode_waits_for_prefill_sender needs decode_pending_queue")
         if self.decode_pending_queue and (self.multi_rank or self.wave != 1):
             raise ScenarioError(f"{self.name}: decode_pending_queue runs one rank a side, one request at a time")
         _check_ranks(self)

@@ -507,6 +507,8 @@ class Worker:
         sender = self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["sender_class"] = self.ss.class_name(sender)
         rec["phases"]["sender"] = round(time.time(), 3)
+        if self.scn.decode_waits_for_prefill_sender:
+            self.write_result()  # decode makes this room's receiver once it reads the sender's phase
         trace = rec["polls"]
         give_up = self._decode_gave_up(rec["room"])
         state = self._poll_until(sender, ("WaitingForInput",) + FINAL, deadline, trace, give_up)
@@ -536,6 +538,8 @@ class Worker:
         req = self.scn.requests[index]
         deadline = time.monotonic() + self.scn.timeouts.request_s
         addr = self._unanswering_addr() if req.prefill_unanswered else self.bootstrap_addr
+        if self.scn.decode_waits_for_prefill_sender:
+            self._wait_prefill_sender(rec["room"], deadline)
         receiver = self.ss.make_receiver(self.classes["receiver"], self.mgr, addr, rec["room"])
         rec["receiver_class"] = self.ss.class_name(receiver)
         rec["phases"]["receiver"] = round(time.time(), 3)
@@ -614,6 +618,21 @@ class Worker:
             time.sleep(max(0.0, self.QUEUE_RETRY_S - (time.monotonic() - t_try)))
         receiver.abort()
         return False
+
+    def _wait_prefill_sender(self, room: int, deadline: float) -> None:
+        """Decode (``Scenario.decode_waits_for_prefill_sender``): wait until prefill's result file
+        shows ``room``'s sender made, or the request's bound (then go on: the room ends as it would)."""
+        path = self.args.ready_files.split(os.pathsep)[0] if self.args.ready_files else None
+        while path and time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    peer = json.load(f)
+            except (OSError, ValueError):
+                peer = {}
+            if peer.get("error") or any(r.get("room") == room and "sender" in r.get("phases", {})
+                                        for r in peer.get("requests", [])):
+                return
+            time.sleep(0.02)
 
     def _unanswering_addr(self) -> str:
         """A bootstrap address on loopback whose socket listens and never accepts: the kernel
