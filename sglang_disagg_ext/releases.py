@@ -358,7 +358,7 @@ _ACTIVE_RELEASES = {
     "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
     "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X}, True),
     "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L}, True),
     "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L}, True),
     "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L}, True),
 }
@@ -417,11 +417,17 @@ _ACTIVE_RELEASES = {
 # ``deadline`` without prefill's drain ack (0.5.23 decode.py:3046-3108, 0.5.22's without the all-reduce
 # of the ready flags; ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``, environ.py:777-778):
 # live there, covered on 0.5.23's leg (test_held_pages.py, SGLang's own queue over a real manager's ack
-# table) and by hand on 0.5.22. 0.5.19-0.5.21 have the same release "anyway" (0.5.19 decode.py:2405-2435,
-# 0.5.21 :2806-2860; switched off by default up to 0.5.20, environ.py ``EnvBool(False)``, on in 0.5.21)
-# with entries of another shape (no hold start: ``(decode_req, deadline, idx, acks)``), which the hook
-# does not read: live, not covered. Up to 0.5.18 no wheel has a deferred release (decode frees a failed
-# request's pages at once, no drain ack to wait for): n/a.
+# table) and by hand on 0.5.22. 0.5.21 has the same release "anyway" (decode.py:2806-2860, on by default:
+# environ.py:722 ``EnvBool(True)``) from entries of another shape (no hold start: ``(decode_req,
+# deadline, idx, acks)``, probe ``deferred_release_entry``) and acks with no generation, whose ABORT send
+# re-arms the room's ack table (common/conn.py:2046-2049): live, covered on its own leg (the same test,
+# plus the acks kept across a re-sent ABORT). 0.5.19 and 0.5.20 have the release "anyway" too (0.5.19
+# decode.py:2405-2435; off by default, environ.py ``EnvBool(False)``), but no wheel of theirs ever arms
+# the drain-ack table (``register_deferred_abort_room`` is defined and never called, so
+# ``note_abort_ack`` drops every ack): every deferred release there ends at the timeout, acked or not,
+# and holding for an ack would hold every aborted request's pages until its prefill restarts. Live, not
+# covered (the fix there would arm the table itself). Up to 0.5.18 no wheel has a deferred release
+# (decode frees a failed request's pages at once, no drain ack to wait for): n/a.
 # F22 (a NIXL transfer worker waits without bound on a batch whose handles stay PROC): 0.5.20-0.5.23
 # ``NixlKVManager._await_handles`` ("The wait is unbounded while every handle is still healthy", the same
 # method byte for byte in the four wheels; 0.5.23 nixl/conn.py:1096-1133), 0.5.12-0.5.19 the same wait
@@ -927,6 +933,34 @@ class SGLangFeatures:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         return hasattr(DecodeTransferQueue, "_release_request")
+
+    @functools.cached_property
+    def deferred_release_entry(self) -> Optional[str]:
+        """What decode's ``DecodeTransferQueue._defer_release`` holds a failed request's pages as
+        (what F21's hook rewrites): None where the queue has no deferred release (up to 0.5.18);
+        ``"deadline"`` for ``(decode_req, deadline, metadata_idx, required_acks)`` (0.5.19-0.5.21);
+        ``"held_since"`` for ``(decode_req, held_since, deadline, metadata_idx, required_acks)``
+        (0.5.22+). Read by calling stock's method on a queue made without ``__init__`` and one
+        device-destination request, and reading back the entry it appends."""
+        import types
+
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+        if not hasattr(DecodeTransferQueue, "_defer_release"):
+            return None
+        queue = object.__new__(DecodeTransferQueue)
+        queue._deferred_releases = []
+        queue.deferred_kv_release_timeout = 30.0
+        queue.enable_host_receive = False
+        receiver = types.SimpleNamespace(bootstrap_infos=[{}], abort_notified=True)
+        decode_req = types.SimpleNamespace(kv_receiver=receiver, host_staged=False, metadata_buffer_index=7,
+                                           req=types.SimpleNamespace(bootstrap_room=1))
+        queue._defer_release(decode_req)
+        (entry,) = queue._deferred_releases
+        shapes = {4: "deadline", 5: "held_since"}
+        if len(entry) not in shapes or entry[0] is not decode_req or entry[-2:] != (7, 1):
+            raise ValueError(f"unknown deferred-release entry of {len(entry)} fields")
+        return shapes[len(entry)]
 
     @functools.cached_property
     def metadata_gate_function(self) -> bool:
@@ -1458,7 +1492,7 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "stock_nixl_prep_serves_decode_replicas": ("F4", "F13"), "nixl_is_dummy_method": ("F11", "F13"),
     "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16"),
     "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4", "F16"),
-    "nsa_pool": ("F5",), "stock_f5": ("F5",),
+    "nsa_pool": ("F5",), "stock_f5": ("F5",), "deferred_release_entry": ("F21",),
 }
 
 

@@ -1,14 +1,16 @@
 """F21: decode never gives a failed request's pages back while prefill may still write to them.
 
-Narrowest boundary: SGLang's own ``DecodeTransferQueue.resolve_deferred_releases`` (0.5.22+), the
+Narrowest boundary: SGLang's own ``DecodeTransferQueue.resolve_deferred_releases`` (0.5.21+), the
 method decode's scheduler calls once per iteration to give back the pages of requests whose transfer
 failed after decode published them to prefill. Driven here as the scheduler drives it, every 20 ms.
 Real: the queue's ``_defer_release`` / ``resolve_deferred_releases`` / ``_do_release`` (with its
 all-reduce over a one-rank gloo group in 0.5.23), the manager's drain-ack table
 (``register_deferred_abort_room``, ``handle_abort_ack_message`` fed SGLang's own ``AbortAck`` frames,
-``is_abort_release_safe``), its ``_handle_node_failure`` (what decode's heartbeat calls for a prefill
+``is_abort_release_safe``; on 0.5.21, whose acks carry no generation, ``note_abort_ack`` as decode's
+ack listener calls it), its ``_handle_node_failure`` (what decode's heartbeat calls for a prefill
 that fails its health checks), the receiver's ``_send_abort_notification`` over a real ZMQ socket to a bound "prefill
-rank" socket that reads each ``ABORT`` back with SGLang's ``AbortNotification.from_zmq``, and, for
+rank" socket that reads each ``ABORT`` back (SGLang's ``AbortNotification.from_zmq``; 0.5.21's four
+frames by hand), and, for
 ``-ext``, the classes and hook that activating ``mooncake-ext`` or ``nixl-ext`` routes and installs (each
 test runs on both engines' managers and receivers).
 
@@ -21,8 +23,8 @@ the pages are given back, not what a write landing after it would corrupt.
 
 Stock (the bug): a room whose prefill stays silent is given back at the timeout ("releasing
 anyway"). ``-ext``: held through 3 timeouts while the prefill is alive and silent, its ``ABORT`` sent
-again with a fresh generation each timeout period, given back at the next call once the prefill acks
-that generation, or once its rank socket refuses connections (the process is gone; a prefill the
+again each timeout period (0.5.22+: with a fresh generation), given back at the next call once the prefill acks
+(0.5.22+: that generation), or once its rank socket refuses connections (the process is gone; a prefill the
 heartbeat declared dead whose socket still accepts stays held). A room acked in time goes back at once
 in both.
 """
@@ -57,6 +59,8 @@ needs_fix = pytest.mark.skipif(
 )
 
 TIMEOUT_S = 1.0  # the queue's deferred_kv_release_timeout (SGLang's default is 30 s)
+# 0.5.22+ number each ABORT and its acks (a generation); 0.5.21's carry the room alone.
+GENERATIONS = releases.features().deferred_release_entry == "held_since"
 POLL_S = 0.02
 SILENT, ACKED = 8_100_001, 8_100_002  # rooms: prefill never acks / acks at once
 PREFILL_ADDR = "127.0.0.1:8998"  # the bootstrap address the receivers name (never dialled)
@@ -73,11 +77,16 @@ class PrefillRank:
         self.aborts = []  # (room, generation)
 
     def drain(self):
-        from sglang.srt.disaggregation.common.conn import AbortNotification
-
         while not self.sock.closed and self.sock.poll(0):
-            note = AbortNotification.from_zmq(self.sock.recv_multipart())
-            self.aborts.append((note.room, note.generation))
+            frames = self.sock.recv_multipart()
+            if GENERATIONS:
+                from sglang.srt.disaggregation.common.conn import AbortNotification
+
+                note = AbortNotification.from_zmq(frames)
+                self.aborts.append((note.room, note.generation))
+            else:  # 0.5.21 common/conn.py _send_abort_notification: ABORT, room, decode ip, decode port
+                assert frames[0] == b"ABORT" and len(frames) == 4, frames
+                self.aborts.append((int(frames[1]), None))
         return self.aborts
 
     def close(self):
@@ -111,12 +120,12 @@ def _manager(cls):
     return mgr
 
 
-def _receiver(cls, mgr, room, rank_port):
+def _receiver(cls, mgr, room, rank_ports):
     receiver = object.__new__(cls)
     receiver.kv_mgr = mgr
     receiver.bootstrap_room = room
     receiver.bootstrap_addr = PREFILL_ADDR
-    receiver.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": rank_port}]
+    receiver.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": port} for port in rank_ports]
     receiver.init_time = time.time()  # decode published its pages (send_metadata)
     receiver.abort_notified = False
     receiver._abort_generation = None
@@ -146,10 +155,10 @@ def _queue(released):
     return queue
 
 
-def _fail(queue, receiver_cls, mgr, room, rank):
+def _fail(queue, receiver_cls, mgr, room, *ranks):
     """What the queue's Failed branch does for a device destination: ABORT out (drain ack armed),
     then hold the pages (``_defer_release``)."""
-    receiver = _receiver(receiver_cls, mgr, room, rank.port)
+    receiver = _receiver(receiver_cls, mgr, room, [rank.port for rank in ranks])
     receiver.ensure_abort_notified(force_arm=True)
     decode_req = types.SimpleNamespace(
         req=types.SimpleNamespace(bootstrap_room=room), kv_receiver=receiver, host_staged=False,
@@ -158,10 +167,19 @@ def _fail(queue, receiver_cls, mgr, room, rank):
     return receiver
 
 
-def _ack(mgr, room, generation):
+def _ack(mgr, room, generation, prefill_rank=0):
+    if not GENERATIONS:
+        # what 0.5.21's ack listener does with [ABORT_ACK, room, prefill rank]
+        mgr.note_abort_ack(room, prefill_rank)
+        return
     from sglang.srt.disaggregation.common.conn import AbortAck
 
     assert mgr.handle_abort_ack_message(AbortAck(room, 0, generation).to_zmq())
+
+
+def _generation(mgr, room):
+    """The newest generation armed for ``room`` (None on 0.5.21: no generations)."""
+    return mgr._deferred_abort_ack_tracker[room].generation if GENERATIONS else None
 
 
 def _run(classes, rank, *, until_s, then=None):
@@ -174,7 +192,7 @@ def _run(classes, rank, *, until_s, then=None):
     t0 = time.monotonic()
     _fail(queue, receiver_cls, mgr, SILENT, rank)
     _fail(queue, receiver_cls, mgr, ACKED, rank)
-    _ack(mgr, ACKED, mgr._deferred_abort_ack_tracker[ACKED].generation)
+    _ack(mgr, ACKED, _generation(mgr, ACKED))
     while time.monotonic() - t0 < until_s:
         queue.resolve_deferred_releases()
         time.sleep(POLL_S)
@@ -264,8 +282,11 @@ def test_ext_keeps_a_silent_prefills_pages_until_it_acks_or_its_process_is_gone(
     assert queue._deferred_releases == []
     silent = [g for room, g in aborts if room == SILENT]
     # Stock's ABORT, then one per timeout period (at ~1, ~2, ~3 s; the third may fall past 3.5 s on a
-    # loaded machine), each a fresh generation (so a late ack of an old one cannot release the pages).
-    assert 3 <= len(silent) <= 4 and silent == sorted(set(silent)), aborts
+    # loaded machine), each a fresh generation where there are some (so a late ack of an old one cannot
+    # release the pages).
+    assert 3 <= len(silent) <= 4, aborts
+    if GENERATIONS:
+        assert silent == sorted(set(silent)), aborts
     # Stock's own release path (and words) gives the pages back once the plugin says the prefill is gone.
     assert ("releasing anyway" in caplog.text) is (then == "prefill_process_gone" and not PATCHED)
     if then == "prefill_acks":
@@ -305,9 +326,10 @@ def test_ext_leaves_stock_no_clock_read_of_its_own_to_release_by(ext_classes, ra
     released = {}
     queue = _queue(released)
     _fail(queue, receiver_cls, _manager(manager_cls), SILENT, rank)
-    decode_req, _, _, idx, acks = queue._deferred_releases[0]
+    entry = queue._deferred_releases[0]
     held_since = time.monotonic() - TIMEOUT_S - 0.01  # stock's own read: 10 ms past the timeout
-    queue._deferred_releases[0] = (decode_req, held_since, held_since + TIMEOUT_S, idx, acks)
+    # (decode_req, held_since, deadline, idx, acks); 0.5.21 (decode_req, deadline, idx, acks)
+    queue._deferred_releases[0] = (entry[0],) + ((held_since,) if GENERATIONS else ()) + (held_since + TIMEOUT_S,) + entry[-2:]
     # The hook's read: 1 ms before it.
     monkeypatch.setattr(held_pages, "time", types.SimpleNamespace(monotonic=lambda: held_since + TIMEOUT_S - 0.001))
     queue.resolve_deferred_releases()
@@ -329,6 +351,8 @@ def test_ext_holds_for_a_prefill_the_heartbeat_declared_dead_while_its_socket_li
 def test_ext_ignores_an_ack_of_an_older_generation(ext_classes, rank):
     """A late ack of stock's first ABORT (the prefill answering from before it was asked again) does
     not give the pages back: only the newest generation's ack does."""
+    if not GENERATIONS:
+        pytest.skip(f"n/a: SGLang {POLICY.version}'s ABORT acks carry no generation (any ack of the room counts)")
 
     def ack_the_first(mgr):
         _ack(mgr, SILENT, [g for room, g in rank.drain() if room == SILENT][0])
@@ -336,3 +360,32 @@ def test_ext_ignores_an_ack_of_an_older_generation(ext_classes, rank):
     released, _, queue = _run(ext_classes, rank, until_s=2 * TIMEOUT_S + 0.5, then=ack_the_first)
     assert SILENT not in released and released[ACKED] < TIMEOUT_S / 2, released
     assert [e[0].req.bootstrap_room for e in queue._deferred_releases] == [SILENT]
+
+
+@needs_fix
+def test_ext_keeps_the_acks_counted_before_it_asks_again(ext_classes, rank):
+    """0.5.21: stock's ABORT send re-arms the room's ack table (a fresh set, for a room a later request
+    reuses) and acks carry no generation. A prefill rank that acked this request's ABORT before F21 sent
+    it again stays counted: the pages go back once the other rank acks, without the first acking twice."""
+    if GENERATIONS:
+        pytest.skip(f"n/a: SGLang {POLICY.version} counts acks per ABORT generation: each rank answers the newest")
+    other = PrefillRank()
+    try:
+        manager_cls, receiver_cls = ext_classes
+        released = {}
+        queue = _queue(released)
+        mgr = _manager(manager_cls)
+        _fail(queue, receiver_cls, mgr, SILENT, rank, other)
+        assert queue._deferred_releases[0][-1] == 2  # two prefill ranks to ack
+        _ack(mgr, SILENT, None, prefill_rank=0)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5 * TIMEOUT_S:  # one resend, at ~1 s
+            queue.resolve_deferred_releases()
+            time.sleep(POLL_S)
+        assert SILENT not in released
+        assert [room for room, _ in rank.drain()] == [SILENT, SILENT]  # stock's ABORT and F21's
+        _ack(mgr, SILENT, None, prefill_rank=1)
+        queue.resolve_deferred_releases()
+        assert SILENT in released and queue._deferred_releases == []
+    finally:
+        other.close()

@@ -60,9 +60,10 @@ X = FixStatus.UNCOVERED
 # thread: every wheel, 0.5.10.post1 common/conn.py:205 ... 0.5.23 :1306, called from
 # _ensure_prefill_info once a second, 15 tries): live everywhere.
 # F21 (decode gives a failed request's pages back at the deferred release timeout without prefill's drain
-# ack): DecodeTransferQueue.resolve_deferred_releases in 0.5.22 and 0.5.23 (0.5.23 decode.py:3046-3108);
-# 0.5.19-0.5.21 release "anyway" too, from entries of another shape the hook does not read (live, not
-# covered); no wheel up to 0.5.18 has a deferred release (n/a).
+# ack): DecodeTransferQueue.resolve_deferred_releases in 0.5.21-0.5.23 (0.5.23 decode.py:3046-3108,
+# 0.5.21 :2806-2860 from 4-field entries); 0.5.19 and 0.5.20 release "anyway" too but never arm the
+# drain-ack table, so no ack is ever counted there (live, not covered); no wheel up to 0.5.18 has a
+# deferred release (n/a).
 # F22 (a NIXL transfer worker's unbounded wait on a batch still PROC): NixlKVManager._await_handles in
 # 0.5.20-0.5.23 (identical), inline in transfer_worker 0.5.12-0.5.19: live, covered on 0.5.20-0.5.23;
 # up to 0.5.11 the sender polls its handles from the scheduler, no worker waits (n/a).
@@ -83,7 +84,7 @@ EXPECTED = [
     ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X)),
     ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X)),
     ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, L, L)),
     ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L, L)),
     ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L, L)),
 ]

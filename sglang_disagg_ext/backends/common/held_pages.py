@@ -1,6 +1,6 @@
 """F21: decode never gives a failed request's pages back while prefill may still write to them.
 
-Stock (0.5.22 and 0.5.23 ``decode.py`` ``DecodeTransferQueue.resolve_deferred_releases``, called once
+Stock (0.5.21-0.5.23 ``decode.py`` ``DecodeTransferQueue.resolve_deferred_releases``, called once
 per scheduler iteration): a request whose transfer failed after decode published its pages is held
 until every prefill rank acks that its writes stopped (``kv_mgr.is_abort_release_safe``), or until
 ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s) has passed, when stock logs
@@ -45,6 +45,14 @@ QUEUE_MODULE = "sglang.srt.disaggregation.decode"
 QUEUE_METHOD = "DecodeTransferQueue.resolve_deferred_releases"
 
 _originals: Dict[str, object] = {}
+HELD_SINCE = "held_since"  # releases.SGLangFeatures.deferred_release_entry's values
+DEADLINE = "deadline"
+
+
+def _entry_shape() -> str:
+    from sglang_disagg_ext import releases
+
+    return releases.features().deferred_release_entry
 
 
 # A connection attempt to a prefill rank endpoint: refused at once by a host whose process is gone;
@@ -106,30 +114,60 @@ def _queue_class():
     return importlib.import_module(QUEUE_MODULE).DecodeTransferQueue
 
 
-def _resend_abort(receiver, room) -> None:
+def _resend_abort(receiver, mgr, room) -> None:
+    # 0.5.21's send re-arms the room's ack table (a fresh set, meant for a room reused by a later
+    # request) and its acks carry no generation: the ranks that already acked this request's ABORT
+    # would be forgotten and must ack again. They stay counted (0.5.22+ key acks by generation
+    # instead; their table entry is not a set).
+    tracker = getattr(mgr, "_deferred_abort_ack_tracker", {})
+    before = tracker.get(room)
+    counted = set(before) if isinstance(before, set) else None
     try:
         receiver._send_abort_notification()
     except Exception:  # noqa: BLE001 - a resend is best effort, as stock's first send
         logger.debug("sglang-disagg-ext F21: ABORT for room %s not re-sent", room, exc_info=True)
+    after = tracker.get(room)
+    if counted and isinstance(after, set):
+        after.update(counted)
 
 
-def _held_entry(queue, entry, now: float, limit: Optional[float]):
+def _unpack(entry, shape: str, said: dict, timeout_s: float):
+    """-> (decode_req, held_since, metadata_idx, required_acks) of an entry of either shape
+    (``releases.SGLangFeatures.deferred_release_entry``). A 0.5.19-0.5.21 entry has no hold start: it
+    is its deadline less the timeout (``_defer_release``), read at the first look and kept, since the
+    hook rewrites that deadline."""
+    if shape == HELD_SINCE:
+        decode_req, held_since, _, metadata_idx, required_acks = entry
+        return decode_req, held_since, metadata_idx, required_acks
+    decode_req, deadline, metadata_idx, required_acks = entry
+    held_since = said.setdefault("held_since", deadline - timeout_s)
+    return decode_req, held_since, metadata_idx, required_acks
+
+
+def _entry(shape: str, decode_req, held_since: float, deadline: float, metadata_idx, required_acks) -> tuple:
+    if shape == HELD_SINCE:
+        return (decode_req, held_since, deadline, metadata_idx, required_acks)
+    return (decode_req, deadline, metadata_idx, required_acks)
+
+
+def _held_entry(queue, entry, now: float, limit: Optional[float], shape: str):
     """``entry`` of ``queue._deferred_releases`` with its deadline rewritten by the F21 rule."""
-    decode_req, held_since, deadline, metadata_idx, required_acks = entry
+    decode_req = entry[0]
     receiver = decode_req.kv_receiver
     mgr = getattr(receiver, "kv_mgr", None)
     # Stock's rule for a stock manager (a process running stock and -ext side by side: the tests), and
     # for host destinations (stock never times those out; 0.5.23's ``_is_host_destination`` is this
-    # expression, 0.5.22 writes it out). Every -ext manager class lives in the plugin's modules (its
-    # own, or compose's over SGLang's).
+    # expression, 0.5.21 and 0.5.22 write it out). Every -ext manager class lives in the plugin's
+    # modules (its own, or compose's over SGLang's).
     if not type(mgr).__module__.startswith("sglang_disagg_ext.") or (
-            queue.enable_host_receive and decode_req.host_staged):
+            getattr(queue, "enable_host_receive", False) and getattr(decode_req, "host_staged", False)):
         return entry
-    room = decode_req.req.bootstrap_room
     timeout_s = queue.deferred_kv_release_timeout
+    said = receiver.__dict__.setdefault("_ext_f21", {})
+    decode_req, held_since, metadata_idx, required_acks = _unpack(entry, shape, said, timeout_s)
+    room = decode_req.req.bootstrap_room
     addr = getattr(receiver, "bootstrap_addr", None)
     drained = mgr.is_abort_release_safe(room, required_acks)
-    said = receiver.__dict__.setdefault("_ext_f21", {})
     decided = verdict(now=now, held_since=held_since, timeout_s=timeout_s, drained=drained, prefill_gone=_gone(said),
                       limit_s=limit)
     if decided is Verdict.HOLD:
@@ -143,10 +181,10 @@ def _held_entry(queue, entry, now: float, limit: Optional[float]):
             metrics.count("kv_holds_total", event="held")
         if abort_resend_due(now=now, held_since=held_since, timeout_s=timeout_s, last_sent=said.get("resent")):
             said["resent"] = now
-            _resend_abort(receiver, room)
+            _resend_abort(receiver, mgr, room)
             if said.get("probe") is None or said["probe"].done():
                 said["probe"] = _look_at(receiver)
-        return (decode_req, held_since, math.inf, metadata_idx, required_acks)
+        return _entry(shape, decode_req, held_since, math.inf, metadata_idx, required_acks)
     if "held" in said and "released" not in said:
         said["released"] = decided.value
         if decided is Verdict.PEER_GONE:
@@ -166,31 +204,35 @@ def _held_entry(queue, entry, now: float, limit: Optional[float]):
                         "writes stopped", room, now - held_since)
             metrics.count("kv_holds_total", event="drained")
     if decided in (Verdict.PEER_GONE, Verdict.LIMIT):
-        return (decode_req, held_since, held_since + timeout_s, metadata_idx, required_acks)
+        return _entry(shape, decode_req, held_since, held_since + timeout_s, metadata_idx, required_acks)
     # STOCK: acked (stock releases it whatever its deadline) or before the timeout. Its deadline is put out
     # of reach too: stock's method reads the clock again after this one, and a room whose timeout falls
     # between the two reads would go back "anyway" (seen under load in CI: released at 1.0006 s).
-    return (decode_req, held_since, math.inf, metadata_idx, required_acks)
+    return _entry(shape, decode_req, held_since, math.inf, metadata_idx, required_acks)
 
 
 def _acks(mgr, room) -> int:
     state = getattr(mgr, "_deferred_abort_ack_tracker", {}).get(room)
-    return len(state.prefill_ranks) if state is not None else 0
+    if state is None:
+        return 0
+    return len(state) if isinstance(state, set) else len(state.prefill_ranks)  # 0.5.21 a set of ranks
 
 
 def resolve_deferred_releases_held(self) -> None:
     """Stock's ``resolve_deferred_releases`` with each held entry's deadline set by the F21 rule.
 
     Contract: stock decode's scheduler calls it once per iteration (``decode.py`` event loop), on
-    every attention rank; ``self._deferred_releases`` holds ``(decode_req, held_since, deadline,
-    metadata_idx, required_acks)`` tuples appended by ``_defer_release``. It must release nothing
-    itself (stock's method, with its all-reduce across ranks, does) and must not raise.
+    every attention rank; ``self._deferred_releases`` holds the tuples ``_defer_release`` appends
+    (0.5.22+ ``(decode_req, held_since, deadline, metadata_idx, required_acks)``, 0.5.21 the same
+    without ``held_since``). It must release nothing itself (stock's method, with 0.5.23's all-reduce
+    across ranks, does) and must not raise.
     """
     if self._deferred_releases:
         now = time.monotonic()
         try:
             limit = limit_s()  # once per call, not per held entry
-            self._deferred_releases = [_held_entry(self, entry, now, limit) for entry in self._deferred_releases]
+            shape = _entry_shape()
+            self._deferred_releases = [_held_entry(self, entry, now, limit, shape) for entry in self._deferred_releases]
         except Exception:  # noqa: BLE001 - never stop the scheduler; stock's rule then decides
             logger.exception("sglang-disagg-ext F21: held-page check failed; SGLang's own rule decides")
     return _originals[QUEUE_METHOD](self)
