@@ -15,6 +15,13 @@ client's to pick; reuse after the first request ended is legitimate). Entries
 expire after ``ttl_s`` and the table holds at most ``capacity`` rooms (oldest
 first out), so a stream of abandoned requests cannot grow it without bound.
 
+The reverse: decode ends a room (its ABORT: a refusal, its waiting timeout, an abort) before
+the request reaches this prefill's scheduler. SGLang's ABORT handler ignores a room it has no
+status for, and the request that opens the room later waits out the bootstrap timeout for
+metadata no decode will send. :class:`CancelledRooms` remembers such rooms (for SGLang's waiting
+plus bootstrap timeouts, as 0.5.23's own ``DeferredBootstrap`` keeps a cancellation that beats
+the sender, in its ``prefill_complete`` mode only) so that the request fails when it opens the room.
+
 The other orphan: decode's metadata for a room prefill never admitted (the
 client's or router's request to prefill was refused before it reached the
 scheduler, or never sent). Stock stores it and marks the room WaitingForInput
@@ -95,6 +102,45 @@ class DroppedRooms:
             if now - t < self.ttl_s:
                 return
             self._rooms.popitem(last=False)
+
+
+def cancelled_reason(room: int, waited_s: float) -> str:
+    """What prefill records for a request that opens a room decode had already ended."""
+    return (f"decode ended bootstrap_room {room} {waited_s:.1f}s before this prefill opened it (decode's ABORT "
+            f"arrived first): prefill fails the request now instead of waiting out its bootstrap timeout")
+
+
+class CancelledRooms:
+    """Rooms decode ended (its ABORT) before any request opened them on this prefill, until a request
+    opens one (which then fails at once) or ``ttl_s`` passes. Not thread-safe: the caller serialises
+    ``note`` (bootstrap thread) against ``take`` (a request opening the room). At most ``capacity``
+    rooms, oldest out first, so a stream of ABORTs for rooms never opened cannot grow it without bound."""
+
+    def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.monotonic):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = int(capacity)
+        self._clock = clock
+        self._rooms: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # room -> time noted
+
+    def note(self, room: int, ttl_s: float) -> None:
+        now = self._clock()
+        self._rooms.pop(room, None)
+        self._rooms[room] = now
+        while self._rooms and (len(self._rooms) > self.capacity or now - next(iter(self._rooms.values())) >= ttl_s):
+            self._rooms.popitem(last=False)
+
+    def take(self, room: int, ttl_s: float) -> Optional[float]:
+        """Seconds since decode ended ``room``, taking it off the table; None when it was not
+        noted or was noted ``ttl_s`` or longer ago."""
+        noted = self._rooms.pop(room, None)
+        if noted is None:
+            return None
+        waited = self._clock() - noted
+        return waited if waited < ttl_s else None
+
+    def __len__(self) -> int:
+        return len(self._rooms)
 
 
 class PendingRooms:

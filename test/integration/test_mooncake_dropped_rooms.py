@@ -141,3 +141,52 @@ def test_ext_releases_a_room_never_admitted_after_the_lease_and_serves_on():
     assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_requests_refused_total",
                                 fix="F17", reason="room never admitted by prefill") == 1.0, ext.describe()
     print(f"-ext: room {orphan.room} Failed on decode {orphan.decode_seconds} s after its metadata: {reason}")
+
+
+def _ended_first_scenario() -> Scenario:
+    """Request 0: decode ends it before it reaches prefill (its receiver bootstrapped and aborted, its ABORT
+    out for a room prefill has not opened), and prefill opens the room only after that; request 1
+    is served as usual after it."""
+    return Scenario(
+        name="decode ended the room before prefill opened it",
+        requests=[RequestSpec(src_kv_pages=[1, 2], dst_kv_pages=[3, 4], aux_index=0, decode_ends_first=True),
+                  RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1)],
+        kv=KVPoolSpec(num_pages=14),
+        room_base=ROOM_BASE,
+        timeouts=Timeouts(request_s=REQUEST_S, sglang_waiting_s=WAITING_S, sglang_bootstrap_s=BOOTSTRAP_S),
+    )
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(not BUG_LIVE, reason=f"F17's bug is not live on SGLang {POLICY.version}")
+def test_stock_prefill_waits_out_its_bootstrap_timeout_for_a_room_decode_ended():
+    stock = run_scenario(_ended_first_scenario(), "mooncake")
+    assert not stock.error, stock.describe()
+    ended, after = stock.requests
+    assert after.ok, stock.describe()
+    assert ended.decode_status == "Failed", stock.describe()
+    # Stock's ABORT handler ignored the room (no status yet): the request that opened it waited for
+    # decode's metadata until the bootstrap timeout.
+    assert ended.prefill_status == "Failed" and "timed out" in (ended.prefill_failure_reason or ""), stock.describe()
+    assert ended.prefill_seconds is not None and ended.prefill_seconds >= BOOTSTRAP_S - 0.5, stock.describe()
+    print(f"stock: prefill held room {ended.room}, which decode had ended, for {ended.prefill_seconds} s: "
+          f"{ended.prefill_failure_reason}")
+
+
+@pytest.mark.timeout(RUN_BOUND_S)
+@pytest.mark.skipif(not POLICY.is_live("F17"), reason=f"F17 is not covered on SGLang {POLICY.version} (0.5.22+)")
+def test_ext_prefill_fails_a_room_decode_ended_when_it_opens_it():
+    ext = run_scenario(_ended_first_scenario(), "mooncake-ext")
+    assert not ext.error, ext.describe()
+    ended, after = ext.requests
+    assert after.ok, ext.describe()
+    assert (ended.prefill_status, ended.decode_status) == ("Failed", "Failed"), ext.describe()
+    assert ended.prefill_seconds is not None and ended.prefill_seconds < REFUSED_WITHIN_S, ext.describe()
+    reason = ended.prefill_failure_reason or ""
+    assert f"decode ended bootstrap_room {ended.room}" in reason and "before this prefill opened it" in reason, \
+        ext.describe()
+    assert ended.mismatches and all("the sentinel (never written)" in m for m in ended.mismatches), ext.describe()
+    assert ext.thread_errors == {"prefill": [], "decode": []}, ext.describe()
+    assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_requests_refused_total", fix="F17",
+                                reason="room ended by decode before prefill opened it") == 1.0, ext.describe()
+    print(f"-ext: room {ended.room} Failed on prefill {ended.prefill_seconds} s after it opened it: {reason}")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from sglang_disagg_ext.core.dropped_rooms import DroppedRooms, PendingRooms, dropped_reason, never_admitted_reason
+from sglang_disagg_ext.core.dropped_rooms import (CancelledRooms, DroppedRooms, PendingRooms, cancelled_reason,
+                                                  dropped_reason, never_admitted_reason)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -88,3 +89,41 @@ def test_a_room_a_request_opens_is_taken_off_before_its_lease():
 def test_the_never_admitted_reason_names_the_room_and_the_wait():
     assert never_admitted_reason(12, 300.04).startswith(
         "prefill never admitted bootstrap_room 12: no request opened it within 300.0s of decode's metadata")
+
+
+def test_a_room_decode_ended_first_is_taken_once_with_the_time_since():
+    clock = Clock()
+    rooms = CancelledRooms(clock=clock)
+    rooms.note(7, ttl_s=10.0)
+    clock.t += 2.5
+    assert rooms.take(8, ttl_s=10.0) is None  # never ended by decode
+    assert rooms.take(7, ttl_s=10.0) == 2.5
+    assert rooms.take(7, ttl_s=10.0) is None and len(rooms) == 0  # a second request in the room is not failed
+
+
+def test_a_room_decode_ended_longer_ago_than_the_ttl_is_not_failed():
+    clock = Clock()
+    rooms = CancelledRooms(clock=clock)
+    rooms.note(7, ttl_s=10.0)
+    clock.t += 10.0
+    assert rooms.take(7, ttl_s=10.0) is None
+    # Older entries go out when a new one comes in: a stream of ABORTs for rooms never opened stays bounded.
+    rooms.note(1, ttl_s=10.0)
+    clock.t += 10.0
+    rooms.note(2, ttl_s=10.0)
+    assert len(rooms) == 1 and rooms.take(2, ttl_s=10.0) == 0.0
+
+
+def test_cancelled_rooms_keep_at_most_their_capacity_oldest_out_first():
+    rooms = CancelledRooms(capacity=2, clock=Clock())
+    for room in (1, 2, 3):
+        rooms.note(room, ttl_s=10.0)
+    assert len(rooms) == 2 and rooms.take(1, ttl_s=10.0) is None and rooms.take(3, ttl_s=10.0) == 0.0
+    with pytest.raises(ValueError):
+        CancelledRooms(capacity=0)
+
+
+def test_the_cancelled_reason_names_the_room_and_the_time():
+    assert cancelled_reason(1700, 0.25) == (
+        "decode ended bootstrap_room 1700 0.2s before this prefill opened it (decode's ABORT arrived first): "
+        "prefill fails the request now instead of waiting out its bootstrap timeout")

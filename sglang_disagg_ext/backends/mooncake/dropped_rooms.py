@@ -27,6 +27,16 @@ prefill drops its entries for the room and answers every decode rank that
 wrote it with Failed and the reason (``reason="room never admitted by
 prefill"``). A sweeper thread, one per prefill manager, checks once a second.
 
+The reverse orphan: decode ends a room (its ABORT: a refusal of this prefill, its waiting
+timeout, an abort) before the request reaches this prefill's scheduler. Stock's ABORT handler
+ignores a room it has no status for (0.5.23 mooncake/conn.py ``_handle_abort_notification``:
+``room_active`` False), and the request that opens the room later waits out the bootstrap
+timeout for metadata no decode will send. Here the bootstrap thread notes such a room, and a
+request that opens it within SGLang's waiting plus bootstrap timeouts ends Failed at once with
+a reason naming the room (``requests_refused_total{reason="room ended by decode before
+prefill opened it"}``). 0.5.23's own ``DeferredBootstrap`` does the same in its
+``prefill_complete`` allocation mode only.
+
 Built on 0.5.22's ``_handle_abort_notification`` (the one call the bootstrap loop
 makes on every per-room decode message before it stores anything, returning
 whether the message was consumed) and ``send_kv_status_message``; older
@@ -44,13 +54,16 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext.backends.common.room_claims import claims_of
-from sglang_disagg_ext.core.dropped_rooms import DroppedRooms, PendingRooms, never_admitted_reason
+from sglang_disagg_ext.backends.common.metadata_gate import waiting_timeout_s
+from sglang_disagg_ext.core.dropped_rooms import (CancelledRooms, DroppedRooms, PendingRooms, cancelled_reason,
+                                                  never_admitted_reason)
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.dropped_rooms")
 
 REFUSAL_LABEL = "room dropped by prefill"
 NEVER_ADMITTED_LABEL = "room never admitted by prefill"
+CANCELLED_LABEL = "room ended by decode before prefill opened it"
 SWEEP_INTERVAL_S = 1.0
 _LOG = EveryInterval(60.0)
 
@@ -76,6 +89,7 @@ class DroppedRoomsMixin:
         tables, so they exist before ``super()``; the sweeper starts after it, on prefill."""
         self._f17_dropped = DroppedRooms()
         self._f17_pending = PendingRooms()
+        self._f17_cancelled = CancelledRooms()
         # Serialises "no request holds this room" + noting it pending (bootstrap thread) against
         # a request opening it (scheduler thread), and the sweeper's release against both.
         self._f17_lock = threading.Lock()
@@ -99,7 +113,11 @@ class DroppedRoomsMixin:
             with self._f17_lock:
                 self._f17_dropped.reopen(bootstrap_room)
                 self._f17_pending.take(bootstrap_room)
-                return super().update_status(bootstrap_room, status)
+                ended_s = self._f17_cancelled.take(bootstrap_room, self._f17_cancel_ttl_s())
+                out = super().update_status(bootstrap_room, status)
+            if ended_s is not None:
+                self._f17_fail_cancelled(bootstrap_room, ended_s)
+            return out
         if status == KVPoll.Failed and self.request_status.get(bootstrap_room) == KVPoll.Bootstrapping:
             # Still Bootstrapping: decode's metadata has not all arrived, so no decode rank
             # will hear of this failure from stock.
@@ -115,6 +133,8 @@ class DroppedRoomsMixin:
         was consumed and stock stores nothing for it. Runs on that thread: must not block
         on anything but sending the one status message, and must not raise.
         """
+        if msg and msg[0] == b"ABORT":
+            self._f17_note_cancelled(msg)
         if super()._handle_abort_notification(msg):
             return True
         room = metadata_room(msg)
@@ -133,6 +153,32 @@ class DroppedRoomsMixin:
                 return False  # stock stores it (for a live request, or pending the lease)
         self._f17_refuse(room, [target], reason, REFUSAL_LABEL)
         return True
+
+    def _f17_note_cancelled(self, msg) -> None:
+        """Decode's ABORT (``ABORT``, room, ...) for a room no request has opened here: noted, so the
+        request that opens it later fails at once. Bootstrap thread; never raises."""
+        try:
+            room = int(msg[1].decode("ascii"))
+        except (IndexError, AttributeError, UnicodeDecodeError, ValueError):
+            return  # stock's parse logs a malformed ABORT
+        with self._f17_lock:
+            if room not in self.request_status:
+                self._f17_cancelled.note(room, self._f17_cancel_ttl_s())
+
+    def _f17_cancel_ttl_s(self) -> float:
+        # As 0.5.23's DeferredBootstrap: decode's waiting timeout plus prefill's bootstrap timeout.
+        return waiting_timeout_s() + float(self.bootstrap_timeout)
+
+    def _f17_fail_cancelled(self, room, ended_s: float) -> None:
+        """A request opened a room decode had ended: Failed now, with the reason (scheduler thread)."""
+        reason = cancelled_reason(room, ended_s)
+        metrics.count("requests_refused_total", fix="F17", reason=CANCELLED_LABEL)
+        held_back = _LOG.admit(CANCELLED_LABEL)
+        if held_back is not None:
+            more = f" ({held_back} more since the last such line)" if held_back else ""
+            logger.warning("%s%s", reason, more)
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
 
     def _f17_sweep(self) -> None:
         """Prefill's lease: a room pending longer than SGLang's bootstrap timeout is released."""

@@ -141,6 +141,12 @@ class RequestSpec:
     # the decode worker. Needs prefill_admits=False (no prefill knows the request) and
     # decode_pending_queue.
     prefill_unanswered: bool = False
+    # Decode ends the request before it reaches prefill's scheduler (its pre-allocation waited for
+    # KV memory, then the client aborted): decode's receiver is made, bootstrapped (init) and aborted
+    # before its metadata, so its ABORT goes out for a room prefill has not opened; prefill makes
+    # its sender only once decode's result shows the room ended (F17's reverse orphan). Not with
+    # the pending queue or waves.
+    decode_ends_first: bool = False
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.
     fault: Optional[str] = None
@@ -401,6 +407,9 @@ class Scenario:
                 raise ScenarioError(f"{self.name}: request {r} send_chunks must be >= 1")
             if not req.prefill_admits and self.multi_rank:
                 raise ScenarioError(f"{self.name}: request {r} prefill_admits=False is for one rank a side only")
+            if req.decode_ends_first and (self.decode_pending_queue or self.wave != 1 or not req.prefill_admits):
+                raise ScenarioError(f"{self.name}: request {r}: decode_ends_first runs one request at a time, "
+                                    f"without the pending queue, on a prefill that admits it")
             if req.prefill_unanswered and (req.prefill_admits or not self.decode_pending_queue):
                 raise ScenarioError(f"{self.name}: request {r} prefill_unanswered needs prefill_admits=False "
                                     f"and decode_pending_queue")

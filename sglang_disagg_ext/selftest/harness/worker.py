@@ -504,19 +504,25 @@ class Worker:
                 time.sleep(0.1)
             rec["status"] = NOT_ADMITTED
             return
+        if req.decode_ends_first:
+            self._wait_decode_ended(rec["room"], deadline)
+        t_open = time.monotonic()
         sender = self.ss.make_sender(self.classes["sender"], self.mgr, self.bootstrap_addr, rec["room"])
         rec["sender_class"] = self.ss.class_name(sender)
         rec["phases"]["sender"] = round(time.time(), 3)
         if self.scn.decode_waits_for_prefill_sender:
             self.write_result()  # decode makes this room's receiver once it reads the sender's phase
         trace = rec["polls"]
-        give_up = self._decode_gave_up(rec["room"])
+        # A room decode ended first: watched to prefill's own end (its bootstrap timeout, for stock).
+        give_up = None if req.decode_ends_first else self._decode_gave_up(rec["room"])
         state = self._poll_until(sender, ("WaitingForInput",) + FINAL, deadline, trace, give_up)
         if state != "WaitingForInput":
             if state not in FINAL:
                 # Stuck before any transfer: say where the engine's own threads are.
                 _print_engine_thread_stacks(f"prefill room {rec['room']} still {state}")
             rec["status"] = state
+            if req.decode_ends_first:
+                rec["seconds"] = round(time.monotonic() - t_open, 4)  # from the room's opening
             return
         src = list(req.src_kv_pages)
         rec["phases"]["bootstrapped"] = round(time.time(), 3)
@@ -545,6 +551,16 @@ class Worker:
         rec["phases"]["receiver"] = round(time.time(), 3)
         trace = rec["polls"]
         t_made = time.monotonic()
+        if req.decode_ends_first:
+            # Bootstrapped (init: prefill's rank endpoints known) and ended before its metadata (a
+            # pre-allocation that waited for KV memory, then the client's abort): SGLang's abort
+            # fails the room here and sends its ABORT to prefill's ranks.
+            receiver.init(0)
+            receiver.abort()
+            rec["status"] = self._poll_until(receiver, FINAL, deadline, trace)
+            rec["seconds"] = round(time.monotonic() - t_made, 4)
+            self.verify(index, rec)
+            return
         if self.scn.decode_pending_queue and not self._ensure_prefill_info_as_queued(receiver, trace, addr, rec):
             state = self._poll_until(receiver, FINAL, deadline, trace)
             rec["seconds"] = round(time.monotonic() - t_made, 4)
@@ -618,6 +634,21 @@ class Worker:
             time.sleep(max(0.0, self.QUEUE_RETRY_S - (time.monotonic() - t_try)))
         receiver.abort()
         return False
+
+    def _wait_decode_ended(self, room: int, deadline: float) -> None:
+        """Prefill (``RequestSpec.decode_ends_first``): wait until decode's result file shows ``room``
+        final, or the request's bound."""
+        path = self.args.peer_result
+        while path and time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    peer = json.load(f)
+            except (OSError, ValueError):
+                peer = {}
+            if peer.get("error") or any(r.get("room") == room and r.get("status") in FINAL
+                                        for r in peer.get("requests", [])):
+                return
+            time.sleep(0.02)
 
     def _wait_prefill_sender(self, room: int, deadline: float) -> None:
         """Decode (``Scenario.decode_waits_for_prefill_sender``): wait until prefill's result file
