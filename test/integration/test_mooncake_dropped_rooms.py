@@ -56,9 +56,13 @@ def _scenario(follow_up: bool, never_admitted: bool = False) -> Scenario:
             RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1, **orphan)]
     if follow_up:
         reqs.append(RequestSpec(src_kv_pages=[7, 8], dst_kv_pages=[11, 12], aux_index=2))
+    return _with(reqs, "decode metadata for a room prefill never admitted" if never_admitted else
+                 "decode metadata after prefill dropped the room")
+
+
+def _with(reqs, name: str) -> Scenario:
     return Scenario(
-        name="decode metadata for a room prefill never admitted" if never_admitted else
-        "decode metadata after prefill dropped the room",
+        name=name,
         requests=reqs,
         kv=KVPoolSpec(num_pages=14),
         room_base=ROOM_BASE,
@@ -147,14 +151,9 @@ def _ended_first_scenario() -> Scenario:
     """Request 0: decode ends it before it reaches prefill (its receiver bootstrapped and aborted, its ABORT
     out for a room prefill has not opened), and prefill opens the room only after that; request 1
     is served as usual after it."""
-    return Scenario(
-        name="decode ended the room before prefill opened it",
-        requests=[RequestSpec(src_kv_pages=[1, 2], dst_kv_pages=[3, 4], aux_index=0, decode_ends_first=True),
+    return _with([RequestSpec(src_kv_pages=[1, 2], dst_kv_pages=[3, 4], aux_index=0, decode_ends_first=True),
                   RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1)],
-        kv=KVPoolSpec(num_pages=14),
-        room_base=ROOM_BASE,
-        timeouts=Timeouts(request_s=REQUEST_S, sglang_waiting_s=WAITING_S, sglang_bootstrap_s=BOOTSTRAP_S),
-    )
+                 "decode ended the room before prefill opened it")
 
 
 @pytest.mark.timeout(RUN_BOUND_S)

@@ -638,32 +638,14 @@ class Worker:
     def _wait_decode_ended(self, room: int, deadline: float) -> None:
         """Prefill (``RequestSpec.decode_ends_first``): wait until decode's result file shows ``room``
         final, or the request's bound."""
-        path = self.args.peer_result
-        while path and time.monotonic() < deadline:
-            try:
-                with open(path) as f:
-                    peer = json.load(f)
-            except (OSError, ValueError):
-                peer = {}
-            if peer.get("error") or any(r.get("room") == room and r.get("status") in FINAL
-                                        for r in peer.get("requests", [])):
-                return
-            time.sleep(0.02)
+        _wait_peer_result(self.args.peer_result, deadline,
+                          lambda r: r.get("room") == room and r.get("status") in FINAL)
 
     def _wait_prefill_sender(self, room: int, deadline: float) -> None:
         """Decode (``Scenario.decode_waits_for_prefill_sender``): wait until prefill's result file
         shows ``room``'s sender made, or the request's bound (then go on: the room ends as it would)."""
         path = self.args.ready_files.split(os.pathsep)[0] if self.args.ready_files else None
-        while path and time.monotonic() < deadline:
-            try:
-                with open(path) as f:
-                    peer = json.load(f)
-            except (OSError, ValueError):
-                peer = {}
-            if peer.get("error") or any(r.get("room") == room and "sender" in r.get("phases", {})
-                                        for r in peer.get("requests", [])):
-                return
-            time.sleep(0.02)
+        _wait_peer_result(path, deadline, lambda r: r.get("room") == room and "sender" in r.get("phases", {}))
 
     def _unanswering_addr(self) -> str:
         """A bootstrap address on loopback whose socket listens and never accepts: the kernel
@@ -1187,6 +1169,20 @@ def _split(pages: list, n: int) -> List[list]:
         out.append(pages[start:end])
         start = end
     return out
+
+
+def _wait_peer_result(path: Optional[str], deadline: float, request_done) -> None:
+    """Wait until the other side's result file (``path``) lists a request for which
+    ``request_done(record)`` holds, or shows an error, or ``deadline`` passes."""
+    while path and time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                peer = json.load(f)
+        except (OSError, ValueError):
+            peer = {}
+        if peer.get("error") or any(request_done(r) for r in peer.get("requests", [])):
+            return
+        time.sleep(0.02)
 
 
 def _wait_port(host: str, port: int, deadline: float) -> None:
