@@ -113,7 +113,10 @@ class DroppedRoomsMixin:
             with self._f17_lock:
                 self._f17_dropped.reopen(bootstrap_room)
                 self._f17_pending.take(bootstrap_room)
-                ended_s = self._f17_cancelled.take(bootstrap_room, self._f17_cancel_ttl_s())
+                # Every request opens a room here: SGLang's two timeouts are read only when some
+                # room decode ended first is waiting (almost never).
+                ended_s = (self._f17_cancelled.take(bootstrap_room, self._f17_cancel_ttl_s())
+                           if self._f17_cancelled else None)
                 out = super().update_status(bootstrap_room, status)
             if ended_s is not None:
                 self._f17_fail_cancelled(bootstrap_room, ended_s)
