@@ -102,6 +102,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_held_pages_rule.py", _IT + "test_held_pages.py"), "docs/fixes.md"),
     FixEntry("F22", (), (_BACK + "nixl/transfer_deadline.py", _BACK + "nixl/conn.py"), (),
              (), (_IT + "test_nixl_transfer_deadline.py",), "docs/fixes.md"),
+    FixEntry("F23", (_CORE + "dropped_rooms.py",), (_BACK + "common/ended_first.py", _BACK + "nixl/conn.py"), (),
+             (), ("test/unit/test_dropped_rooms.py", _IT + "test_nixl_ended_first.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

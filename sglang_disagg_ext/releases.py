@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22", "F23")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -185,6 +185,8 @@ FIX_TITLES = {
     "its writes stopped or its process is gone, instead of handing them to another request 'anyway'",
     "F22": "A NIXL transfer that never settles (a stalled decode) ends Failed at SGLang's waiting timeout instead of "
     "holding prefill's transfer worker, and every room queued behind it, for ever",
+    "F23": "NIXL prefill: a request that opens a room decode already ended (decode's ABORT arrived first) ends "
+    "Failed at once with the reason, instead of waiting out the bootstrap timeout (or for ever, 0.5.16/0.5.17)",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -211,6 +213,7 @@ FIX_BACKEND = {
     "F20": "all",
     "F21": "all",
     "F22": "nixl",
+    "F23": "nixl",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -344,23 +347,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N, "F22": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _N, "F23": _N}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N, "F22": _N, "F23": _N}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X, "F23": _L}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L, "F23": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -436,6 +439,14 @@ _ACTIVE_RELEASES = {
 # test_nixl_transfer_deadline.py, a real UCX write to a SIGSTOPped peer process, proves the four; by hand
 # also on 0.5.20 and 0.5.22), not covered before. Up to 0.5.11 no worker waits (the sender polls its
 # handles from the scheduler): n/a.
+# F23 (NIXL prefill: a request opens a room decode already ended): stock's ABORT handler ignores a room
+# it has no status for (``room_active`` False; 0.5.16 nixl/conn.py:2360-2377 ... 0.5.23 :3317-3335),
+# and the sender that opens the room later waits for decode's metadata: out to the bootstrap timeout
+# (0.5.18+, probe ``stock_nixl_sender_bootstrap_deadline``), for ever on 0.5.16/0.5.17. Live 0.5.16-0.5.23
+# (probe ``nixl_bootstrap_handles_abort``), covered there through that handler and
+# ``update_status(room, Bootstrapping)``; 0.5.13-0.5.15.x decode sends the ABORT (common/conn.py
+# ``CommonKVReceiver.abort``) to a loop with no handler for it (F13 screens it): live, not covered;
+# up to 0.5.12.x decode sends none: n/a.
 # A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
@@ -1480,7 +1491,7 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "nixl_refuses_dsv4_state": (), "nixl_empty_transfer_is_dummy": (), "nixl_empty_state_lists_wait": (),
     "nixl_success_via_notifications_only": ("F11", "F13"), "nixl_success_via_listener_only": ("F11",),
     "mori_registration_hook": ("F12",), "dcp_relayout_check": ("F11", "F13"),
-    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15", "F16"), "mori_sender_notifies_status": ("F3", "F12"),
+    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15", "F16", "F23"), "mori_sender_notifies_status": ("F3", "F12"),
     "mori_conclude_room_failure": ("F3", "F12"), "mori_registration_frames": ("F12",),
     "runtime_context": (), "runtime_context_publish": (), "runtime_context_spawn_ranks": (),
     "metadata_buffers_sampling_mask": ("F10",), "metadata_buffers_kv_checksum": ("F9",),
@@ -1488,9 +1499,9 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "metadata_gate_function": ("F10",), "metadata_gate_needs_server_args": ("F10",),
     "pd_kv_layout": (), "kv_transfer_buf_infos": (), "build_kv_layer_ids": (),
     "stock_nixl_slice_uses_total_heads": ("F4", "F13"), "stock_nixl_slice_maps_decode_replicas_by_modulo": ("F4", "F13", "F15", "F16"),
-    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15", "F16"),
+    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15", "F16", "F23"),
     "stock_nixl_prep_serves_decode_replicas": ("F4", "F13"), "nixl_is_dummy_method": ("F11", "F13"),
-    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16"),
+    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16", "F23"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16"),
     "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4", "F16"),
     "nsa_pool": ("F5",), "stock_f5": ("F5",), "deferred_release_entry": ("F21",),
 }

@@ -30,7 +30,7 @@ from sglang_disagg_ext import releases
 from sglang_disagg_ext.doctor import engine_importable
 from sglang_disagg_ext.selftest.harness.run import run_scenario
 from sglang_disagg_ext.selftest.harness.scenario import KVPoolSpec, RequestSpec, Scenario, Timeouts
-from support import plugin_metrics
+from support import ended_first, plugin_metrics
 
 POLICY = releases.current_policy()
 # The bug is live on every release; the -ext adapter covers 0.5.22+ ("live, not covered" before):
@@ -148,12 +148,7 @@ def test_ext_releases_a_room_never_admitted_after_the_lease_and_serves_on():
 
 
 def _ended_first_scenario() -> Scenario:
-    """Request 0: decode ends it before it reaches prefill (its receiver bootstrapped and aborted, its ABORT
-    out for a room prefill has not opened), and prefill opens the room only after that; request 1
-    is served as usual after it."""
-    return _with([RequestSpec(src_kv_pages=[1, 2], dst_kv_pages=[3, 4], aux_index=0, decode_ends_first=True),
-                  RequestSpec(src_kv_pages=[5, 6], dst_kv_pages=[9, 10], aux_index=1)],
-                 "decode ended the room before prefill opened it")
+    return _with(ended_first.requests(), "decode ended the room before prefill opened it")
 
 
 @pytest.mark.timeout(RUN_BOUND_S)
@@ -176,16 +171,4 @@ def test_stock_prefill_waits_out_its_bootstrap_timeout_for_a_room_decode_ended()
 @pytest.mark.skipif(not POLICY.is_live("F17"), reason=f"F17 is not covered on SGLang {POLICY.version} (0.5.22+)")
 def test_ext_prefill_fails_a_room_decode_ended_when_it_opens_it():
     ext = run_scenario(_ended_first_scenario(), "mooncake-ext")
-    assert not ext.error, ext.describe()
-    ended, after = ext.requests
-    assert after.ok, ext.describe()
-    assert (ended.prefill_status, ended.decode_status) == ("Failed", "Failed"), ext.describe()
-    assert ended.prefill_seconds is not None and ended.prefill_seconds < REFUSED_WITHIN_S, ext.describe()
-    reason = ended.prefill_failure_reason or ""
-    assert f"decode ended bootstrap_room {ended.room}" in reason and "before this prefill opened it" in reason, \
-        ext.describe()
-    assert ended.mismatches and all("the sentinel (never written)" in m for m in ended.mismatches), ext.describe()
-    assert ext.thread_errors == {"prefill": [], "decode": []}, ext.describe()
-    assert plugin_metrics.value(ext.plugin_metrics["prefill"], "sglang_disagg_ext_requests_refused_total", fix="F17",
-                                reason="room ended by decode before prefill opened it") == 1.0, ext.describe()
-    print(f"-ext: room {ended.room} Failed on prefill {ended.prefill_seconds} s after it opened it: {reason}")
+    ended_first.assert_ext_fails_it_on_opening(ext, "F17", REFUSED_WITHIN_S)

@@ -27,15 +27,9 @@ prefill drops its entries for the room and answers every decode rank that
 wrote it with Failed and the reason (``reason="room never admitted by
 prefill"``). A sweeper thread, one per prefill manager, checks once a second.
 
-The reverse orphan: decode ends a room (its ABORT: a refusal of this prefill, its waiting
-timeout, an abort) before the request reaches this prefill's scheduler. Stock's ABORT handler
-ignores a room it has no status for (0.5.23 mooncake/conn.py ``_handle_abort_notification``:
-``room_active`` False), and the request that opens the room later waits out the bootstrap
-timeout for metadata no decode will send. Here the bootstrap thread notes such a room, and a
-request that opens it within SGLang's waiting plus bootstrap timeouts ends Failed at once with
-a reason naming the room (``requests_refused_total{reason="room ended by decode before
-prefill opened it"}``). 0.5.23's own ``DeferredBootstrap`` does the same in its
-``prefill_complete`` allocation mode only.
+The reverse orphan (decode ended the room before the request reached this prefill's
+scheduler): ``backends.common.ended_first``, under this fix's id on Mooncake
+(``reason="room ended by decode before prefill opened it"``).
 
 Built on 0.5.22's ``_handle_abort_notification`` (the one call the bootstrap loop
 makes on every per-room decode message before it stores anything, returning
@@ -53,17 +47,15 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_disagg_ext import metrics
+from sglang_disagg_ext.backends.common.ended_first import EndedFirstMixin
 from sglang_disagg_ext.backends.common.room_claims import claims_of
-from sglang_disagg_ext.backends.common.metadata_gate import waiting_timeout_s
-from sglang_disagg_ext.core.dropped_rooms import (CancelledRooms, DroppedRooms, PendingRooms, cancelled_reason,
-                                                  never_admitted_reason)
+from sglang_disagg_ext.core.dropped_rooms import DroppedRooms, PendingRooms, never_admitted_reason
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 logger = logging.getLogger("sglang_disagg_ext.mooncake.dropped_rooms")
 
 REFUSAL_LABEL = "room dropped by prefill"
 NEVER_ADMITTED_LABEL = "room never admitted by prefill"
-CANCELLED_LABEL = "room ended by decode before prefill opened it"
 SWEEP_INTERVAL_S = 1.0
 _LOG = EveryInterval(60.0)
 
@@ -80,26 +72,26 @@ def metadata_room(msg) -> "int | None":
         return None
 
 
-class DroppedRoomsMixin:
+class DroppedRoomsMixin(EndedFirstMixin):
     """F17: see the module docstring. Cooperative; composed before the manager class."""
+
+    ENDED_FIRST_FIX = "F17"
 
     def __init__(self, *args, **kwargs):
         """Contract: as ``MooncakeKVManager.__init__`` (scheduler thread, startup, once per
         process). The stock constructor starts prefill's bootstrap thread, which reads the
-        tables, so they exist before ``super()``; the sweeper starts after it, on prefill."""
+        tables, so they exist before ``super()``; the sweeper starts after it, on prefill.
+        ``_rooms_lock`` (``EndedFirstMixin``) also serialises these tables, and the sweeper's
+        release against both threads."""
         self._f17_dropped = DroppedRooms()
         self._f17_pending = PendingRooms()
-        self._f17_cancelled = CancelledRooms()
-        # Serialises "no request holds this room" + noting it pending (bootstrap thread) against
-        # a request opening it (scheduler thread), and the sweeper's release against both.
-        self._f17_lock = threading.Lock()
         super().__init__(*args, **kwargs)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             threading.Thread(target=self._f17_sweep, name="sglang-disagg-ext F17 room lease", daemon=True).start()
 
     def update_status(self, bootstrap_room, status):
         """Stock ``update_status``; on prefill, a room failed while Bootstrapping is remembered
-        and a room a request opens is taken off both lists.
+        (a room a request opens is taken off both lists in ``_room_opened``).
 
         Contract: SGLang calls it on both sides from the scheduler thread (a new sender or
         receiver opens its room Bootstrapping; a sender's bootstrap timeout or abort sets
@@ -107,37 +99,27 @@ class DroppedRoomsMixin:
         metadata is in) and its transfer workers (Transferring, Success, Failed). It must
         not raise and must not change what stock records.
         """
-        if self.disaggregation_mode != DisaggregationMode.PREFILL:
-            return super().update_status(bootstrap_room, status)
-        if status == KVPoll.Bootstrapping:  # only a new sender sets it: a request opens the room
-            with self._f17_lock:
-                self._f17_dropped.reopen(bootstrap_room)
-                self._f17_pending.take(bootstrap_room)
-                # Every request opens a room here: SGLang's two timeouts are read only when some
-                # room decode ended first is waiting (almost never).
-                ended_s = (self._f17_cancelled.take(bootstrap_room, self._f17_cancel_ttl_s())
-                           if self._f17_cancelled else None)
-                out = super().update_status(bootstrap_room, status)
-            if ended_s is not None:
-                self._f17_fail_cancelled(bootstrap_room, ended_s)
-            return out
-        if status == KVPoll.Failed and self.request_status.get(bootstrap_room) == KVPoll.Bootstrapping:
+        if (status == KVPoll.Failed and self.disaggregation_mode == DisaggregationMode.PREFILL
+                and self.request_status.get(bootstrap_room) == KVPoll.Bootstrapping):
             # Still Bootstrapping: decode's metadata has not all arrived, so no decode rank
             # will hear of this failure from stock.
             self._f17_dropped.drop(bootstrap_room, self.failure_records.get(bootstrap_room))
         return super().update_status(bootstrap_room, status)
 
+    def _room_opened(self, room) -> None:
+        self._f17_dropped.reopen(room)
+        self._f17_pending.take(room)
+
     def _handle_abort_notification(self, msg) -> bool:
-        """Stock's abort handling, then decode's metadata for a dropped room answered with Failed,
-        and metadata for a room no request holds noted for the lease.
+        """Stock's abort handling (with the reverse orphan noted, ``EndedFirstMixin``), then
+        decode's metadata for a dropped room answered with Failed, and metadata for a room no
+        request holds noted for the lease.
 
         Contract: prefill only (0.5.22+). The bootstrap thread calls it for every decode
         message but the staging ones, before it reads the room; True means the message
         was consumed and stock stores nothing for it. Runs on that thread: must not block
         on anything but sending the one status message, and must not raise.
         """
-        if msg and msg[0] == b"ABORT":
-            self._f17_note_cancelled(msg)
         if super()._handle_abort_notification(msg):
             return True
         room = metadata_room(msg)
@@ -147,7 +129,7 @@ class DroppedRoomsMixin:
             target = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
         except (UnicodeDecodeError, ValueError):
             return False  # stock's parse will say what is wrong with it
-        with self._f17_lock:
+        with self._rooms_lock:
             status = self.request_status.get(room)
             reason = self._f17_dropped.refusal(room) if status in (None, KVPoll.Failed) else None
             if reason is None:
@@ -157,42 +139,16 @@ class DroppedRoomsMixin:
         self._f17_refuse(room, [target], reason, REFUSAL_LABEL)
         return True
 
-    def _f17_note_cancelled(self, msg) -> None:
-        """Decode's ABORT (``ABORT``, room, ...) for a room no request has opened here: noted, so the
-        request that opens it later fails at once. Bootstrap thread; never raises."""
-        try:
-            room = int(msg[1].decode("ascii"))
-        except (IndexError, AttributeError, UnicodeDecodeError, ValueError):
-            return  # stock's parse logs a malformed ABORT
-        with self._f17_lock:
-            if room not in self.request_status:
-                self._f17_cancelled.note(room, self._f17_cancel_ttl_s())
-
-    def _f17_cancel_ttl_s(self) -> float:
-        # As 0.5.23's DeferredBootstrap: decode's waiting timeout plus prefill's bootstrap timeout.
-        return waiting_timeout_s() + float(self.bootstrap_timeout)
-
-    def _f17_fail_cancelled(self, room, ended_s: float) -> None:
-        """A request opened a room decode had ended: Failed now, with the reason (scheduler thread)."""
-        reason = cancelled_reason(room, ended_s)
-        metrics.count("requests_refused_total", fix="F17", reason=CANCELLED_LABEL)
-        held_back = _LOG.admit(CANCELLED_LABEL)
-        if held_back is not None:
-            more = f" ({held_back} more since the last such line)" if held_back else ""
-            logger.warning("%s%s", reason, more)
-        self.record_failure(room, reason)
-        self.update_status(room, KVPoll.Failed)
-
     def _f17_sweep(self) -> None:
         """Prefill's lease: a room pending longer than SGLang's bootstrap timeout is released."""
         while not getattr(self, "_stopped", False):
             time.sleep(SWEEP_INTERVAL_S)
             try:
                 lease_s = float(self.bootstrap_timeout)
-                with self._f17_lock:
+                with self._rooms_lock:
                     expired = self._f17_pending.expired(lease_s)
                 for room, waited_s in expired:
-                    with self._f17_lock:
+                    with self._rooms_lock:
                         targets = self._f17_pending.take(room)
                         if targets is None or claims_of(self, "prefill").holder(room) is not None:
                             continue  # a request opened it meanwhile (F16's claim: any sender, dummy ranks too)

@@ -959,7 +959,8 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
 
     Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager (with F22's
     transfer deadline, ``backends.nixl.transfer_deadline``), where F13 is (0.5.13-0.5.21)
-    ``backends.nixl.swa_tp``'s (with F22's on 0.5.20 and 0.5.21).
+    ``backends.nixl.swa_tp``'s (with F22's on 0.5.20 and 0.5.21); from 0.5.16 with F23's rooms
+    decode ended first (``backends.common.ended_first``).
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -977,7 +978,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
             from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
 
             manager = with_transfer_deadline(manager)
-        return {"NixlKVManager": _with_verification(manager, policy)}
+        return {"NixlKVManager": _with_verification(_with_ended_first(manager, policy), policy)}
     if policy.is_live("F13"):
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl.swa_tp import NixlSwaTpKVManager
@@ -987,7 +988,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
             from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
 
             manager = with_transfer_deadline(manager)
-        return {"NixlKVManager": _with_verification(manager, policy)}
+        return {"NixlKVManager": _with_verification(_with_ended_first(manager, policy), policy)}
     return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
             "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
 
@@ -1008,6 +1009,16 @@ class _F4StatePlacement:
         per_component = [list(v) for v in own] if own and isinstance(own[0], (list, tuple)) else [list(own)]
         return [[int(n) * layout.decode_heads_per_rank // layout.prefill_heads_per_rank for n in ns]
                 for ns in per_component if ns]
+
+
+def _with_ended_first(manager: type, policy: ReleasePolicy) -> type:
+    """F23 (0.5.16+, where prefill's bootstrap loop hands decode's ABORT to
+    ``_handle_abort_notification``): ``backends.common.ended_first``."""
+    if not policy.is_live("F23"):
+        return manager
+    from sglang_disagg_ext.backends.common.ended_first import with_ended_first
+
+    return with_ended_first(manager)
 
 
 def _with_verification(cls: type, policy: ReleasePolicy, placement: Optional[type] = None) -> type:

@@ -144,8 +144,9 @@ class RequestSpec:
     # Decode ends the request before it reaches prefill's scheduler (its pre-allocation waited for
     # KV memory, then the client aborted): decode's receiver is made, bootstrapped (init) and aborted
     # before its metadata, so its ABORT goes out for a room prefill has not opened; prefill makes
-    # its sender only once decode's result shows the room ended (F17's reverse orphan). Not with
-    # the pending queue or waves.
+    # its sender only once decode's result shows the room ended and, where the bootstrap loop hands
+    # ABORTs to ``_handle_abort_notification``, that handler has taken decode's ABORT for it (the
+    # reverse orphan: F17 on Mooncake, F23 on NIXL). Not with the pending queue or waves.
     decode_ends_first: bool = False
     # Set by the soak generator: the fault this request carries (REQUEST_FAULTS), so
     # that the harness knows which requests may end Failed. None: a valid request.

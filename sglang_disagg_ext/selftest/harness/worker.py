@@ -253,6 +253,7 @@ class Worker:
         self.result["sglang_ranks"] = ss.sglang_ranks(self.mgr)
         if self.role == "prefill":
             self._run_prefill_hook()
+            self._watch_decode_aborts()
             if self.scn.dropped_kv_pages:
                 from sglang_disagg_ext.selftest.harness import faults
 
@@ -635,11 +636,35 @@ class Worker:
         receiver.abort()
         return False
 
+    def _watch_decode_aborts(self) -> None:
+        """Prefill, a scenario with ``decode_ends_first`` rooms: note each room whose ABORT this manager's
+        bootstrap thread has handled. Wraps the manager's ``_handle_abort_notification`` (SGLang's
+        bootstrap loop offers it every decode message, 0.5.16+ NIXL, 0.5.22+ Mooncake; the -ext class's
+        own override runs inside it unchanged): decode's ABORT travels on a socket of its own, so
+        decode's result file alone does not say it reached prefill before the room opens."""
+        self._aborts_handled = None
+        handler = getattr(self.mgr, "_handle_abort_notification", None)
+        if handler is None or not any(r.decode_ends_first for r in self.scn.requests):
+            return
+        seen = self._aborts_handled = set()
+
+        def handle_and_note(msg):
+            try:
+                return handler(msg)
+            finally:
+                if msg and msg[0] == b"ABORT" and len(msg) > 1 and msg[1].isdigit():
+                    seen.add(int(msg[1]))
+
+        self.mgr._handle_abort_notification = handle_and_note
+
     def _wait_decode_ended(self, room: int, deadline: float) -> None:
         """Prefill (``RequestSpec.decode_ends_first``): wait until decode's result file shows ``room``
-        final, or the request's bound."""
+        final and, where the bootstrap loop hands ABORTs to a handler (``_watch_decode_aborts``),
+        until that handler has taken decode's ABORT for it; or the request's bound."""
         _wait_peer_result(self.args.peer_result, deadline,
                           lambda r: r.get("room") == room and r.get("status") in FINAL)
+        while self._aborts_handled is not None and room not in self._aborts_handled and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _wait_prefill_sender(self, room: int, deadline: float) -> None:
         """Decode (``Scenario.decode_waits_for_prefill_sender``): wait until prefill's result file
