@@ -89,7 +89,8 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), ("test/unit/test_bootstrap_screen.py", _IT + "test_nixl_bootstrap_screen.py"), "docs/nixl.md"),
     FixEntry("F16", (_CORE + "room_claims.py",), (_BACK + "common/room_claims.py", _BACK + "common/compose.py"), (),
              (), ("test/unit/test_room_claims.py", _IT + "test_duplicate_rooms.py"), "docs/fixes.md"),
-    FixEntry("F17", (_CORE + "dropped_rooms.py",), (_BACK + "mooncake/dropped_rooms.py",), (),
+    FixEntry("F17", (_CORE + "dropped_rooms.py",), (_BACK + "common/dropped_rooms.py", _BACK + "common/ended_first.py",
+                                                   _BACK + "mooncake/dropped_rooms.py"), (),
              (), ("test/unit/test_dropped_rooms.py", _IT + "test_mooncake_dropped_rooms.py"), "docs/fixes.md"),
     FixEntry("F18", (_CORE + "peer_record.py",), (_BACK + "mooncake/compatibility.py",), (),
              (), ("test/unit/test_peer_record.py", _IT + "test_mooncake_compatibility.py"), "docs/fixes.md"),
@@ -104,6 +105,9 @@ REGISTRY: Dict[str, FixEntry] = {e.fix: e for e in (
              (), (_IT + "test_nixl_transfer_deadline.py",), "docs/fixes.md"),
     FixEntry("F23", (_CORE + "dropped_rooms.py",), (_BACK + "common/ended_first.py", _BACK + "nixl/conn.py"), (),
              (), ("test/unit/test_dropped_rooms.py", _IT + "test_nixl_ended_first.py"), "docs/fixes.md"),
+    FixEntry("F24", (_CORE + "dropped_rooms.py",), (_BACK + "common/dropped_rooms.py", _BACK + "nixl/dropped_rooms.py",
+                                                   _BACK + "nixl/conn.py"), (),
+             (), ("test/unit/test_dropped_rooms.py", _IT + "test_nixl_dropped_rooms.py"), "docs/fixes.md"),
 )}
 
 # What every CI leg runs: the installed release against its recorded probe values.

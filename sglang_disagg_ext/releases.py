@@ -142,7 +142,7 @@ from packaging.version import InvalidVersion, Version
 
 from sglang_disagg_ext import backend_table
 
-FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22", "F23")
+FIXES = ("F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22", "F23", "F24")
 
 FIX_TITLES = {
     "F1": "Mooncake SWA/NSA state-index alignment (trim both directions, request untouched)",
@@ -187,6 +187,9 @@ FIX_TITLES = {
     "holding prefill's transfer worker, and every room queued behind it, for ever",
     "F23": "NIXL prefill: a request that opens a room decode already ended (decode's ABORT arrived first) ends "
     "Failed at once with the reason, instead of waiting out the bootstrap timeout (or for ever, 0.5.16/0.5.17)",
+    "F24": "NIXL prefill: decode's metadata for a room prefill already dropped (its bootstrap timeout or an abort) "
+    "is answered with Failed and the reason at once, and for a room no request opened, after a lease of SGLang's "
+    "bootstrap timeout, instead of decode holding the request's KV until its waiting timeout (F17's NIXL twin)",
 }
 
 # Which backend each fix lives in ("all" = not tied to one transfer backend).
@@ -214,6 +217,7 @@ FIX_BACKEND = {
     "F21": "all",
     "F22": "nixl",
     "F23": "nixl",
+    "F24": "nixl",
 }
 
 # -ext name -> base name, from the one backend table.
@@ -347,23 +351,23 @@ class ReleasePolicy:
 _L, _U, _N, _X = FixStatus.LIVE, FixStatus.UPSTREAM, FixStatus.NA, FixStatus.UNCOVERED
 
 _ACTIVE_RELEASES = {
-    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _N, "F23": _N}, False),
-    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N, "F22": _N, "F23": _N}, True),
-    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N}, True),
-    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N}, True),
-    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
-    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
-    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
-    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
-    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X}, True),
-    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
-    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
-    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L}, True),
-    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X, "F23": _L}, True),
-    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L, "F23": _L}, True),
-    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
-    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
-    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L}, True),
+    "0.5.10.post1": (StateLayout.FLAT, {"F1": _L, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _N, "F23": _N, "F24": _X}, False),
+    "0.5.11": (StateLayout.FLAT, {"F1": _U, "F2": _L, "F3": _N, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _L, "F20": _L, "F21": _N, "F22": _N, "F23": _N, "F24": _X}, True),
+    "0.5.12": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N, "F24": _X}, True),
+    "0.5.12.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _L, "F4": _L, "F5": _L, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _N, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _N, "F24": _X}, True),
+    "0.5.13": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X, "F24": _X}, True),
+    "0.5.13.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X, "F24": _X}, True),
+    "0.5.14": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X, "F24": _X}, True),
+    "0.5.15": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X, "F24": _X}, True),
+    "0.5.15.post1": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _X, "F24": _X}, True),
+    "0.5.16": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L, "F24": _X}, True),
+    "0.5.17": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L, "F24": _X}, True),
+    "0.5.18": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _N, "F22": _X, "F23": _L, "F24": _X}, True),
+    "0.5.19": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _X, "F23": _L, "F24": _X}, True),
+    "0.5.20": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _X, "F22": _L, "F23": _L, "F24": _L}, True),
+    "0.5.21": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _N, "F12": _L, "F13": _L, "F14": _L, "F15": _L, "F16": _L, "F17": _X, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L, "F24": _L}, True),
+    "0.5.22": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _L, "F20": _L, "F21": _L, "F22": _L, "F23": _L, "F24": _L}, True),
+    "0.5.23": (StateLayout.PER_COMPONENT, {"F1": _U, "F2": _U, "F3": _U, "F4": _U, "F5": _U, "F6": _L, "F7": _L, "F8": _L, "F9": _L, "F10": _L, "F11": _L, "F12": _L, "F13": _U, "F14": _L, "F15": _L, "F16": _L, "F17": _L, "F18": _L, "F19": _X, "F20": _L, "F21": _L, "F22": _L, "F23": _L, "F24": _L}, True),
 }
 
 # Every published release 0.5.10.post1-0.5.23 has its row above, each fact read from its wheel (the
@@ -447,6 +451,13 @@ _ACTIVE_RELEASES = {
 # ``update_status(room, Bootstrapping)``; 0.5.13-0.5.15.x decode sends the ABORT (common/conn.py
 # ``CommonKVReceiver.abort``) to a loop with no handler for it (F13 screens it): live, not covered;
 # up to 0.5.12.x decode sends none: n/a.
+# F24 (F17 on NIXL: decode's metadata for a room prefill dropped or never admitted): every wheel's NIXL
+# bootstrap loop stores decode's metadata for any room (``if room not in self.transfer_infos``, 0.5.10.post1
+# ... 0.5.23 nixl/conn.py:3392-3411) and the sender's failure in Bootstrapping tells decode nothing: live
+# everywhere. Covered 0.5.20-0.5.23, where the loop offers every message to ``_handle_abort_notification``
+# and decode reads a Failed status with its reason (``conclude_failure``/``send_kv_status_message``,
+# probe ``nixl_conclude_failure``); before, a NIXL prefill has no message that tells decode a room failed:
+# live, not covered.
 # A release not in this table claims nothing (policy_for).
 
 _PASS_THROUGH_MIN = Version("0.5.13")
@@ -1491,7 +1502,7 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "nixl_refuses_dsv4_state": (), "nixl_empty_transfer_is_dummy": (), "nixl_empty_state_lists_wait": (),
     "nixl_success_via_notifications_only": ("F11", "F13"), "nixl_success_via_listener_only": ("F11",),
     "mori_registration_hook": ("F12",), "dcp_relayout_check": ("F11", "F13"),
-    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15", "F16", "F23"), "mori_sender_notifies_status": ("F3", "F12"),
+    "nixl_bootstrap_handles_abort": ("F11", "F13", "F15", "F16", "F23", "F24"), "mori_sender_notifies_status": ("F3", "F12"),
     "mori_conclude_room_failure": ("F3", "F12"), "mori_registration_frames": ("F12",),
     "runtime_context": (), "runtime_context_publish": (), "runtime_context_spawn_ranks": (),
     "metadata_buffers_sampling_mask": ("F10",), "metadata_buffers_kv_checksum": ("F9",),
@@ -1499,9 +1510,9 @@ PROBE_SCOPE: Dict[str, Tuple[str, ...]] = {
     "metadata_gate_function": ("F10",), "metadata_gate_needs_server_args": ("F10",),
     "pd_kv_layout": (), "kv_transfer_buf_infos": (), "build_kv_layer_ids": (),
     "stock_nixl_slice_uses_total_heads": ("F4", "F13"), "stock_nixl_slice_maps_decode_replicas_by_modulo": ("F4", "F13", "F15", "F16"),
-    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15", "F16", "F23"),
+    "stock_nixl_kv_tag_sender_field": ("F4", "F13"), "stock_swa_head_slice_backends": ("F11", "F13", "F15", "F16", "F23", "F24"),
     "stock_nixl_prep_serves_decode_replicas": ("F4", "F13"), "nixl_is_dummy_method": ("F11", "F13"),
-    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16", "F23"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16"),
+    "stock_nixl_sender_bootstrap_deadline": ("F4", "F13", "F15", "F16", "F23", "F24"), "nixl_conclude_failure": ("F11", "F13", "F15", "F16", "F23", "F24"),
     "stock_nixl_worker_tells_decode": ("F4", "F13"), "stock_nixl_sender_poll_raises": ("F4", "F16"),
     "nsa_pool": ("F5",), "stock_f5": ("F5",), "deferred_release_entry": ("F21",),
 }

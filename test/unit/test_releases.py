@@ -71,26 +71,29 @@ X = FixStatus.UNCOVERED
 # no status in 0.5.16-0.5.23 (NixlKVManager._handle_abort_notification, room_active False; 0.5.16
 # nixl/conn.py:2360-2377): live, covered; 0.5.13-0.5.15.x decode sends the ABORT to a loop with no handler
 # (live, not covered); up to 0.5.12.x decode sends none (n/a).
+# F24 (F17 on NIXL): every wheel's NIXL bootstrap loop stores decode's metadata for any room (0.5.23
+# nixl/conn.py:3392-3411): live everywhere; covered 0.5.20-0.5.23, where the loop offers each message to
+# _handle_abort_notification and a NIXL decode reads prefill's Failed status (conclude_failure, 0.5.20+).
 # 0.5.12 (no pin file, so no venv and no recorded probe values): no CI leg proves its code,
 # so every fix live there is "live, not covered" (releases.policy_for, ci_matrix).
 EXPECTED = [
-    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, N, N)),
-    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, L, L, N, N, N)),
-    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X, X, X, N, X, N)),
-    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, X, N)),
-    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X)),
-    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X)),
-    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X)),
-    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X)),
-    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X)),
-    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L)),
-    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L)),
-    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L)),
-    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X, L)),
-    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L, L)),
-    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, L, L, L)),
-    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L, L, L)),
-    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L, L, L)),
+    ("0.5.10.post1", Support.ACTIVE, StateLayout.FLAT, (L, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, N, N, X)),
+    ("0.5.11", Support.ACTIVE, StateLayout.FLAT, (U, L, N, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, L, L, N, N, N, X)),
+    ("0.5.12", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, X, X, X, X, X, X, X, X, N, X, N, X, X, X, X, X, X, X, N, X, N, X)),
+    ("0.5.12.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, L, L, L, L, L, L, L, L, N, L, N, L, L, L, X, L, X, L, N, X, N, X)),
+    ("0.5.13", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X, X)),
+    ("0.5.13.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X, X)),
+    ("0.5.14", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X, X)),
+    ("0.5.15", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X, X)),
+    ("0.5.15.post1", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, X, X)),
+    ("0.5.16", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L, X)),
+    ("0.5.17", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L, X)),
+    ("0.5.18", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, N, X, L, X)),
+    ("0.5.19", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, X, L, X)),
+    ("0.5.20", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, X, L, L, L)),
+    ("0.5.21", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, N, L, L, L, L, L, X, L, X, L, L, L, L, L)),
+    ("0.5.22", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, L, L, L, L, L, L)),
+    ("0.5.23", Support.ACTIVE, StateLayout.PER_COMPONENT, (U, U, U, U, U, L, L, L, L, L, L, L, U, L, L, L, L, L, X, L, L, L, L, L)),
 ]
 
 

@@ -34,7 +34,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
 from sglang_disagg_ext import activation_log, releases, verification
 from sglang_disagg_ext.backends.mooncake.compatibility import PeerCompatibilityMixin
-from sglang_disagg_ext.backends.mooncake.dropped_rooms import DroppedRoomsMixin
+from sglang_disagg_ext.backends.mooncake.dropped_rooms import MooncakeDroppedRoomsMixin
 from sglang_disagg_ext.backends.mooncake.isolation import RequestIsolationMixin
 from sglang_disagg_ext.backends.mooncake.peers import MooncakeExtKVReceiver
 from sglang_disagg_ext.backends.mooncake.registration import RegistrationCheckMixin
@@ -266,7 +266,7 @@ _FIX_MIXINS = (
     ("F7", StatePairingMixin),
     ("F8", ThreadSurvivalMixin),
     ("F9", RegistrationCheckMixin),
-    ("F17", DroppedRoomsMixin),
+    ("F17", MooncakeDroppedRoomsMixin),
     ("F18", PeerCompatibilityMixin),
 )
 

@@ -960,7 +960,8 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
     Where F11 is live (0.5.22, 0.5.23) that is ``backends.nixl.head_sliced``'s manager (with F22's
     transfer deadline, ``backends.nixl.transfer_deadline``), where F13 is (0.5.13-0.5.21)
     ``backends.nixl.swa_tp``'s (with F22's on 0.5.20 and 0.5.21); from 0.5.16 with F23's rooms
-    decode ended first (``backends.common.ended_first``).
+    decode ended first (``backends.common.ended_first``), from 0.5.20 with F24's rooms prefill dropped
+    or never admitted (``backends.nixl.dropped_rooms``).
     The F4 classes serve 0.5.10.post1, 0.5.11 and 0.5.12.x: the release
     differences they meet (state-pointer layout, the method and field that
     build notification tags, the sender's failure path) are handled where
@@ -1013,7 +1014,12 @@ class _F4StatePlacement:
 
 def _with_ended_first(manager: type, policy: ReleasePolicy) -> type:
     """F23 (0.5.16+, where prefill's bootstrap loop hands decode's ABORT to
-    ``_handle_abort_notification``): ``backends.common.ended_first``."""
+    ``_handle_abort_notification``): ``backends.common.ended_first``; with F24 (0.5.20+, where decode
+    also reads a Failed status from prefill) ``backends.nixl.dropped_rooms``, which includes it."""
+    if policy.is_live("F24"):
+        from sglang_disagg_ext.backends.nixl.dropped_rooms import with_dropped_rooms
+
+        return with_dropped_rooms(manager)
     if not policy.is_live("F23"):
         return manager
     from sglang_disagg_ext.backends.common.ended_first import with_ended_first
