@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="share of the valid soak requests that name the bootstrap room of an earlier one of "
                            "their wave (F16; one rank a side only; default 1/32)")
     soak.add_argument("--orphan-rate", type=_rate, default=1 / 64,
-                      help="share of the valid soak requests prefill never admits (F17; Mooncake, one rank a "
-                           "side, where F17 is covered; default 1/64)")
+                      help="share of the valid soak requests prefill never admits (F17 on Mooncake, F24 on NIXL; "
+                           "one rank a side, where the fix is covered; default 1/64)")
     soak.add_argument("--mismatched-rate", type=_rate, default=1 / 64,
                       help="share of the valid soak requests sent by a second decode process whose KV head dim "
                            "is twice prefill's (F18's mismatched peer; Mooncake, one rank a side; default 1/64)")

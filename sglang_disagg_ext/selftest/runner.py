@@ -404,9 +404,10 @@ def soak_main(args, policy, options) -> int:
         print("[selftest] soak: several ranks a side: no duplicate rooms", file=sys.stderr)
         duplicate_rate = 0.0
     orphan_rate = getattr(args, "orphan_rate", 0.0)
-    if orphan_rate > 0 and (family != "mooncake" or tp != (1, 1) or not policy.is_live("F17")):
-        print(f"[selftest] soak: no orphan rooms (F17: Mooncake, one rank a side, covered on SGLang "
-              f"{policy.version}: {policy.is_live('F17')})", file=sys.stderr)
+    orphan_fix = soak.ORPHAN_FIX[family]
+    if orphan_rate > 0 and (tp != (1, 1) or not policy.is_live(orphan_fix)):
+        print(f"[selftest] soak: no orphan rooms ({orphan_fix}: one rank a side, covered on SGLang "
+              f"{policy.version}: {policy.is_live(orphan_fix)})", file=sys.stderr)
         orphan_rate = 0.0
     mismatched_rate = getattr(args, "mismatched_rate", 0.0)
     if mismatched_rate > 0 and (family != "mooncake" or tp != (1, 1)):

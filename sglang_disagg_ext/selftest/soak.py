@@ -10,8 +10,8 @@ whose writes prefill's engine fails (``harness.faults``: a link that drops
 writes), a share ``bad_rate`` carry a decode KV index outside decode's pool, and a
 share ``duplicate_rate`` of the valid ones name the bootstrap room of an earlier valid
 request of their wave (F16: refused on both sides, writing nothing); a share
-``orphan_rate`` (Mooncake) are never admitted by prefill: decode sends its metadata for
-a room no request on prefill opens, and must be told Failed (F17's lease); and a share
+``orphan_rate`` (one rank a side) are never admitted by prefill: decode sends its metadata for
+a room no request on prefill opens, and must be told Failed (F17's lease; F24's on NIXL); and a share
 ``mismatched_rate`` (Mooncake) come from a second decode process, started beside the first,
 whose KV head dim is twice prefill's (a misconfigured peer in the pool, F18): refused on both
 sides, writing nothing there, while the first decode is served as before.
@@ -213,14 +213,19 @@ def make_scenario(cfg: SoakConfig, name: str = "soak", engine: str = "mooncake")
     )
 
 
+# The fix that releases a never-admitted room, per soak engine.
+ORPHAN_FIX = {"mooncake": "F17", "nixl": "F24"}
+
+
 def _add_orphan_rooms(cfg: SoakConfig, requests: List[RequestSpec], clean_waves, engine: str) -> int:
     """Make a share ``orphan_rate`` of the valid requests outside the clean waves ones prefill
-    never admits (``RequestSpec.prefill_admits``): decode must be told Failed (F17's lease),
+    never admits (``RequestSpec.prefill_admits``): decode must be told Failed (the lease of
+    ``ORPHAN_FIX[engine]``),
     not end the room on its own clock. Returns how many were made."""
     if cfg.orphan_rate <= 0:
         return 0
-    if cfg.multi_rank or engine != "mooncake":
-        raise ValueError("orphan rooms run on Mooncake, one rank a side only")
+    if cfg.multi_rank:
+        raise ValueError("orphan rooms run one rank a side only")
     if 2 * cfg.sglang_timeout_s >= cfg.request_s:
         raise ValueError(f"orphan rooms need request_s > 2 x sglang_timeout_s (decode's waiting timeout), "
                          f"got {cfg.request_s} and {cfg.sglang_timeout_s}")

@@ -56,3 +56,28 @@ def test_stock_decode_waits_for_a_room_prefill_never_admitted():
 @pytest.mark.timeout(O.RUN_BOUND_S)
 def test_ext_releases_a_room_never_admitted_after_the_lease_and_serves_on():
     O.assert_ext_releases_the_room_never_admitted(_run("nixl-ext", follow_up=True, never_admitted=True), "F24")
+
+
+@pytest.mark.timeout(420)
+def test_soak_with_orphan_rooms_stock_decode_never_told_ext_all_judged_right():
+    """The soak (``selftest.soak``, one rank a side, 64 requests in waves of 32, no restart) with a share of
+    requests prefill never admits among out-of-pool indices and duplicate rooms: with ``nixl-ext`` every
+    request ends as the judge requires (each faulted one Failed with a reason, decode told of each orphan
+    by prefill's lease, every other one Success with every byte right, nothing written outside the
+    targeted pages); stock's decode ends each orphan on its own waiting timeout, never told."""
+    from sglang_disagg_ext.selftest import soak
+
+    # Seed 4: of wave 0's requests, 2 out-of-pool, 3 duplicate rooms, 2 never admitted (wave 1 is clean).
+    cfg = soak.SoakConfig(requests=64, wave=32, fault_rate=0.0, bad_rate=1 / 32, duplicate_rate=1 / 16,
+                          orphan_rate=1 / 16, seed=4, restart_decode=False)
+    ext = soak.run_soak("nixl-ext", cfg)
+    assert ext["passed"], soak.format_summaries([ext])
+    assert ext["faults_injected"]["never_admitted"] > 0 and ext["faults_injected"]["duplicate_room"] > 0
+    assert ext["outcomes"]["failed_as_faulted"] == sum(ext["faults_injected"].values()), soak.format_summaries([ext])
+    assert ext["outcomes"]["ok"] == cfg.requests - ext["outcomes"]["failed_as_faulted"] and not ext["stray_writes"]
+
+    stock = soak.run_soak("nixl", cfg)
+    assert not stock["passed"], soak.format_summaries([stock, ext])
+    assert stock["outcomes"]["decode_not_told"] == ext["faults_injected"]["never_admitted"], \
+        soak.format_summaries([stock, ext])
+    print(soak.format_summaries([stock, ext]))

@@ -58,8 +58,11 @@ def test_orphan_rooms_are_valid_requests_prefill_never_admits_and_decode_must_be
     # Rate 1: every request of wave 0 (wave 1 is the clean last wave); decode's waiting timeout doubled.
     assert [(r.prefill_admits, r.fault) for r in scn.requests] == [(False, "never_admitted")] * 4 + [(True, None)] * 4
     assert scn.timeouts.sglang_waiting_s == 2 * base.sglang_timeout_s == 2 * scn.timeouts.sglang_bootstrap_s
-    with pytest.raises(ValueError, match="orphan rooms run on Mooncake"):
-        soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "orphan_rate": 1.0}), engine="nixl")
+    # NIXL the same (F24); several ranks a side refused.
+    nixl = soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "orphan_rate": 1.0}), engine="nixl")
+    assert [(r.prefill_admits, r.fault) for r in nixl.requests] == [(r.prefill_admits, r.fault) for r in scn.requests]
+    with pytest.raises(ValueError, match="orphan rooms run one rank a side only"):
+        soak.make_scenario(soak.SoakConfig(**{**base.__dict__, "orphan_rate": 1.0, "prefill_tp": 2}), engine="nixl")
     req = scn.requests[0]
     told = RequestResult(index=0, room=1000, prefill_status="NotAdmitted", decode_status="Failed",
                          decode_failure_reason="prefill never admitted bootstrap_room 1000: ...")
