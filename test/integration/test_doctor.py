@@ -30,13 +30,20 @@ TRUTH = {
     "0.5.11": (True, {"F2", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F19", "F20"}, True),
     "0.5.12.post1": (True, {"F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F12", "F14", "F15", "F16", "F18", "F20"}, True),
     **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20"}, True) for r in (
-        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19")},
-    # F22 (a NIXL worker's unbounded wait on a stalled decode) from 0.5.20, where _await_handles appears.
-    "0.5.20": (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F22"}, True),
+        "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1")},
+    # F23 (NIXL prefill ignores decode's ABORT for a room it has not opened) from 0.5.16, where the ABORT
+    # handler appears.
+    **{r: (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F23"}, True)
+       for r in ("0.5.16", "0.5.17", "0.5.18", "0.5.19")},
+    # F22 (a NIXL worker's unbounded wait on a stalled decode) from 0.5.20, where _await_handles appears;
+    # F24 (F17 on NIXL) from 0.5.20, where a NIXL decode reads prefill's Failed status.
+    "0.5.20": (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F22", "F23",
+                      "F24"}, True),
     # F21 (pages given back "anyway") from 0.5.21, the first wheel that arms the drain-ack table.
-    "0.5.21": (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F21", "F22"},
-               True),
-    "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22"}, True),
+    "0.5.21": (True, {"F6", "F7", "F8", "F9", "F10", "F12", "F13", "F14", "F15", "F16", "F18", "F20", "F21", "F22",
+                      "F23", "F24"}, True),
+    "0.5.22": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F19", "F20", "F21", "F22",
+                      "F23", "F24"}, True),
     # F15 (NIXL prefill's bootstrap loop dies of one bad message: every wheel) live on every release,
     # and F16 (a second live request admitted into a room in use: every wheel).
     # F14 (decode's pairing check raising on its scheduler thread, try_ensure_parallel_info: every
@@ -50,7 +57,9 @@ TRUTH = {
     # on every release with a CI leg (test_prefill_lookup.py; on 0.5.23 also the real-server stage).
     # F21 (decode gives a failed request's pages back at the deferred release timeout) is covered on
     # 0.5.21-0.5.23 and F22 (a NIXL worker's unbounded wait on a stalled decode) on 0.5.20-0.5.23.
-    "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F20", "F21", "F22"}, True),
+    # F23 and F24 (NIXL's orphan rooms) are covered on 0.5.16-0.5.23 and 0.5.20-0.5.23.
+    "0.5.23": (True, {"F6", "F7", "F8", "F9", "F10", "F11", "F12", "F14", "F15", "F16", "F17", "F18", "F20", "F21", "F22",
+                      "F23", "F24"}, True),
 }
 
 

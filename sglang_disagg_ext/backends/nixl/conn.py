@@ -979,7 +979,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
             from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
 
             manager = with_transfer_deadline(manager)
-        return {"NixlKVManager": _with_verification(_with_ended_first(manager, policy), policy)}
+        return {"NixlKVManager": _with_verification(_with_orphan_rooms(manager, policy), policy)}
     if policy.is_live("F13"):
         # 0.5.13-0.5.21: F4 is upstream; only F13's SWA head slices over stock's manager.
         from sglang_disagg_ext.backends.nixl.swa_tp import NixlSwaTpKVManager
@@ -989,7 +989,7 @@ def ext_classes(policy: ReleasePolicy) -> Dict[str, type]:
             from sglang_disagg_ext.backends.nixl.transfer_deadline import with_transfer_deadline
 
             manager = with_transfer_deadline(manager)
-        return {"NixlKVManager": _with_verification(_with_ended_first(manager, policy), policy)}
+        return {"NixlKVManager": _with_verification(_with_orphan_rooms(manager, policy), policy)}
     return {"NixlKVManager": _with_verification(NixlExtKVManager, policy, _F4StatePlacement),
             "NixlKVSender": NixlExtKVSender, "NixlKVReceiver": NixlExtKVReceiver}
 
@@ -1012,7 +1012,7 @@ class _F4StatePlacement:
                 for ns in per_component if ns]
 
 
-def _with_ended_first(manager: type, policy: ReleasePolicy) -> type:
+def _with_orphan_rooms(manager: type, policy: ReleasePolicy) -> type:
     """F23 (0.5.16+, where prefill's bootstrap loop hands decode's ABORT to
     ``_handle_abort_notification``): ``backends.common.ended_first``; with F24 (0.5.20+, where decode
     also reads a Failed status from prefill) ``backends.nixl.dropped_rooms``, which includes it."""
