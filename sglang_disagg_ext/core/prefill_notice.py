@@ -14,7 +14,7 @@ F8), so decode sends it only to a prefill whose bootstrap answer carries
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 ABORT_TAG = b"ABORT"
 # In every bootstrap answer from 0.5.22 on, the first release whose prefills take ABORT.
@@ -58,3 +58,15 @@ def endpoint(rank_answer: Mapping[str, object]) -> str:
 def abort_frames(room: int) -> Tuple[bytes, bytes]:
     """The ABORT message for one room, as 0.5.22+ decodes send it without a return address."""
     return ABORT_TAG, str(int(room)).encode("ascii")
+
+
+def aborted_room(msg) -> Optional[int]:
+    """The room of an ABORT message (``ABORT``, room, ...: every release's decode puts the room in
+    frame 1, whatever follows), or None for any other message or a malformed one."""
+    if not msg or msg[0] != ABORT_TAG:
+        return None
+    try:
+        return int(msg[1].decode("ascii"))
+    except (IndexError, AttributeError, UnicodeDecodeError, ValueError):
+        return None
+

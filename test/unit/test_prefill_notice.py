@@ -19,7 +19,7 @@ import zmq
 
 from sglang_disagg_ext.backends.common.prefill_notice import PrefillNotice
 from sglang_disagg_ext.core import prefill_notice
-from sglang_disagg_ext.core.prefill_notice import abort_frames, endpoint, rank_queries, takes_abort
+from sglang_disagg_ext.core.prefill_notice import abort_frames, aborted_room, endpoint, rank_queries, takes_abort
 
 ANSWER_0_5_11 = {"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1}
 ANSWER_0_5_23 = {**ANSWER_0_5_11, "decode_allocation_policy": "early", "enable_kv_cache_sharding": False}
@@ -137,3 +137,11 @@ def test_an_unreachable_prefill_is_one_warning(caplog):
         PrefillNotice()._ext_send_notices("127.0.0.1:9", (7,))  # port 9 (discard): refused at once
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "could not tell prefill 127.0.0.1:9" in caplog.records[0].getMessage()
+
+
+@pytest.mark.timeout(10)
+def test_aborted_room_reads_frame_1_of_an_abort_and_nothing_else():
+    assert aborted_room(list(abort_frames(1234))) == 1234
+    assert aborted_room([b"ABORT", b"77", b"10.0.0.1", b"9000", b"\x01"]) == 77  # 0.5.19+ frames after the room
+    assert aborted_room([b"ABORT"]) is None and aborted_room([b"ABORT", b"x7"]) is None
+    assert aborted_room([b"NixlMsgGuard", b"77"]) is None and aborted_room([]) is None

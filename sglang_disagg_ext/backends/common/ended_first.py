@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -32,23 +31,13 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_disagg_ext import metrics
 from sglang_disagg_ext.backends.common.metadata_gate import waiting_timeout_s
 from sglang_disagg_ext.core.dropped_rooms import CancelledRooms, cancelled_reason
+from sglang_disagg_ext.core.prefill_notice import aborted_room
 from sglang_disagg_ext.core.rate_limit import EveryInterval
 
 logger = logging.getLogger("sglang_disagg_ext.ended_first")
 
 ENDED_FIRST_LABEL = "room ended by decode before prefill opened it"
 _LOG = EveryInterval(60.0)
-
-
-def aborted_room(msg) -> Optional[int]:
-    """The room of decode's ABORT message (``ABORT``, room, ...), or None for anything else or a
-    malformed one (stock's parse logs that)."""
-    if not msg or msg[0] != b"ABORT":
-        return None
-    try:
-        return int(msg[1].decode("ascii"))
-    except (IndexError, AttributeError, UnicodeDecodeError, ValueError):
-        return None
 
 
 class EndedFirstMixin:

@@ -10,9 +10,12 @@ decode has no message for a room prefill failed: F24 is "live, not covered" ther
 
 from __future__ import annotations
 
+import functools
+
 from sglang_disagg_ext.backends.common.dropped_rooms import DroppedRoomsMixin, room_and_endpoint
 
 
+@functools.lru_cache(maxsize=None)  # read once, not on every bootstrap message
 def _guard() -> bytes:
     from sglang.srt.disaggregation.nixl import conn
 
